@@ -1,0 +1,231 @@
+"""Policy losses and their aggregation over tokens and sequences.
+
+Every loss here takes per-token tensors ``[B, T]`` and a mask ``[B, T]`` (1 on tokens the
+policy produced) and returns ``(loss, metrics)``: a 0-dim loss with gradient and a dict
+of detached 0-dim tensors (no ``.item()``, so no host sync in the train step).
+
+Micro-batching. A learner that splits a batch into micro-batches passes ``denominator``:
+the normaliser of the *whole* batch (``loss_denominator(full_mask, aggregation=...)``).
+Each call then returns ``numerator(micro-batch) / denominator`` and the micro-batch losses
+sum to exactly the full-batch loss, whatever the split. With ``denominator=None`` the call
+normalises by its own count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rltune.algos.kl import KL_ESTIMATORS
+from rltune.algos.reduce import masked_mean, masked_sum, safe_divide
+
+LOG_RATIO_BOUND = 20.0
+"""``log(pi / pi_old)`` is clamped to ``[-20, 20]`` before ``exp`` (as verl does): beyond
+that the ratio is clipped anyway for one sign of the advantage, and for the other an fp32
+``exp`` would overflow to inf and turn the loss into inf/NaN. Outside the bound the
+gradient is 0."""
+
+
+@dataclass(frozen=True)
+class _Aggregation:
+    """``loss = numerator(per_token, mask) / (denominator or count(mask))``."""
+
+    numerator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    count: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_sum(per_token, mask)
+
+
+def _sum_of_seq_token_means(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # A sequence with an all-zero mask has token-mean 0 (masked_mean), so it adds nothing.
+    return masked_mean(per_token, mask, dim=-1).sum()
+
+
+def _sum_of_seq_token_sums(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_sum(per_token, mask, dim=-1).sum()
+
+
+def _num_tokens(mask: torch.Tensor) -> torch.Tensor:
+    return mask.sum()
+
+
+def _num_nonempty_seqs(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(dim=-1) != 0).sum().to(mask.dtype)
+
+
+AGGREGATIONS: dict[str, _Aggregation] = {
+    # every token of the batch weighs the same (DAPO; long answers weigh more per sequence)
+    "token-mean": _Aggregation(_token_sum, _num_tokens),
+    # every sequence weighs the same, its tokens share that weight (original GRPO)
+    "seq-mean-token-mean": _Aggregation(_sum_of_seq_token_means, _num_nonempty_seqs),
+    # every sequence weighs the same, each token counts fully (no length normalisation)
+    "seq-mean-token-sum": _Aggregation(_sum_of_seq_token_sums, _num_nonempty_seqs),
+}
+
+
+def _lookup_aggregation(aggregation: str, caller: str) -> _Aggregation:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(
+            f"{caller}: aggregation={aggregation!r}; expected one of {sorted(AGGREGATIONS)}"
+        )
+    return AGGREGATIONS[aggregation]
+
+
+def loss_denominator(mask: torch.Tensor, *, aggregation: str = "token-mean") -> torch.Tensor:
+    """The normaliser ``aggregation`` divides by for ``mask`` ``[B, T]`` (0-dim tensor).
+
+    Token count for "token-mean"; number of sequences with at least one masked token for
+    the two "seq-mean-*" modes. Compute it on the full batch and pass it as
+    ``denominator`` to every micro-batch call.
+    """
+    m = mask if mask.is_floating_point() else mask.to(torch.float32)
+    return _lookup_aggregation(aggregation, "loss_denominator").count(m)
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    aggregation: str = "token-mean",
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` the way ``aggregation`` says (see
+    ``AGGREGATIONS``), divided by ``denominator`` (module docstring). For extra loss terms,
+    such as a KL penalty, that must weigh tokens exactly as the policy loss does."""
+    m = mask if mask.is_floating_point() else mask.to(per_token.dtype)
+    return _aggregate(per_token, m, _lookup_aggregation(aggregation, "aggregate_loss"), denominator, "aggregate_loss")
+
+
+def _aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    agg: _Aggregation,
+    denominator: float | torch.Tensor | None,
+    caller: str,
+) -> torch.Tensor:
+    if denominator is None:
+        den = agg.count(mask)
+    else:
+        if not isinstance(denominator, torch.Tensor) and denominator < 0:
+            raise ValueError(f"{caller}: denominator={denominator} must be >= 0")
+        den = torch.as_tensor(denominator, dtype=per_token.dtype, device=per_token.device)
+    # den == 0 only when nothing is masked in, so the numerator is 0 too: loss 0, not NaN.
+    return safe_divide(agg.numerator(per_token, mask), den)
+
+
+def _check_shapes(caller: str, **tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"{caller}: shapes differ: {shapes}")
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss and where the clip and the dual clip were active."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    # The loss is max(unclipped, clipped); the gradient flows through the unclipped branch
+    # unless clipping made the loss strictly larger (then it is constant in the ratio).
+    is_clipped = clipped > unclipped
+    per_token = torch.where(is_clipped, clipped, unclipped)
+    if dual_clip is None:
+        return per_token, is_clipped, torch.zeros_like(is_clipped)
+    cap = -dual_clip * advantages
+    is_capped = (advantages < 0) & (cap < per_token)
+    return torch.where(is_capped, cap, per_token), is_clipped, is_capped
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate policy loss (PPO, Schulman et al. 2017), as used by GRPO.
+
+    Per token, with ``r = exp(logprobs - old_logprobs)`` and advantage ``A``::
+
+        l = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
+        l = min(l, -dual_clip * A)   where A < 0     # dual clip, Ye et al. 2020
+        l = l * is_weights                          # detached importance weights
+
+    then ``l`` is aggregated by ``aggregation`` (see ``AGGREGATIONS``) and divided by
+    ``denominator`` (module docstring). Separate ``clip_low``/``clip_high`` give DAPO's
+    clip-higher. ``logprobs``, ``old_logprobs``, ``mask`` (and ``is_weights``) are
+    ``[B, T]``; ``advantages`` is ``[B, T]`` or ``[B]`` (one value per sequence).
+    ``log(r)`` is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``.
+
+    Metrics (detached, masked means over this call's tokens): ``clip_frac`` (share of
+    tokens where the clipped branch was taken), ``dual_clip_frac``, ``approx_kl`` (k3
+    estimate of ``KL(pi_old || pi)`` from tokens sampled by ``pi_old``:
+    ``r - 1 - log r``, non-negative), ``ratio_mean``, ``ratio_max`` (0 when nothing is
+    masked in).
+    """
+    caller = "ppo_policy_loss"
+    _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"{caller}: dual_clip={dual_clip} must be > 1 (or None to disable)")
+    agg = _lookup_aggregation(aggregation, caller)
+    m = mask.to(logprobs.dtype)
+    keep = m != 0
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # [B] -> [B, 1], broadcast over tokens
+    # Zero the inputs at padding *before* exp: a where() after an inf would still send
+    # NaN gradients (0 * inf) back through the masked-out entries.
+    adv = torch.where(keep, advantages, torch.zeros_like(m))
+    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(m))
+    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    per_token, is_clipped, is_capped = _clipped_surrogate(
+        ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+    )
+    if is_weights is not None:
+        _check_shapes(caller, logprobs=logprobs, is_weights=is_weights)
+        per_token = per_token * is_weights.detach()
+    loss = _aggregate(per_token, m, agg, denominator, caller)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean(is_clipped.to(m.dtype), m),
+            "dual_clip_frac": masked_mean(is_capped.to(m.dtype), m),
+            "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
+            "ratio_mean": masked_mean(ratio, m),
+            "ratio_max": torch.where(keep, ratio, torch.zeros_like(ratio)).amax(),
+        }
+    return loss, metrics
+
+
+def sft_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    denominator: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the target tokens, token-mean.
+
+    ``loss = -sum(logprobs * mask) / (denominator or sum(mask))``; ``logprobs`` and
+    ``mask`` are ``[B, T]``. ``denominator`` as in the module docstring.
+    Metrics (detached): ``nll`` (this call's own token-mean NLL) and ``num_tokens``.
+    """
+    caller = "sft_loss"
+    _check_shapes(caller, logprobs=logprobs, mask=mask)
+    m = mask.to(logprobs.dtype)
+    loss = _aggregate(-logprobs, m, AGGREGATIONS["token-mean"], denominator, caller)
+    with torch.no_grad():
+        metrics = {"nll": masked_mean(-logprobs, m), "num_tokens": m.sum()}
+    return loss, metrics
