@@ -1,0 +1,265 @@
+"""Loading the experiment config: YAML, dotted overrides, readable errors, resolved dump."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rltune.config import (
+    AlgoConfig,
+    Config,
+    ConfigError,
+    RewardFnConfig,
+    TrainConfig,
+    config_base_dir,
+    dump_config,
+    load_config,
+    save_resolved_config,
+)
+
+REWARD = "reward:\n  - {fn: 'rewards.py:exact'}\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def error_of(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    # never pydantic's own dump
+    assert "errors.pydantic.dev" not in message and "Extra inputs" not in message
+    return message
+
+
+# ---- typos --------------------------------------------------------------------------
+
+
+def test_top_level_typo_names_key_closest_and_file(tmp_path):
+    path = write(tmp_path, REWARD + "modle: {path: x}\n")
+    message = error_of(path)
+    assert "unknown key `modle`; did you mean `model`?" in message
+    assert str(path) in message
+
+
+def test_nested_typo(tmp_path):
+    message = error_of(write(tmp_path, REWARD + "train: {lrr: 0.1}\n"))
+    assert "unknown key `train.lrr`; did you mean `train.lr`?" in message
+
+
+def test_typo_inside_list_item(tmp_path):
+    message = error_of(write(tmp_path, "reward:\n  - {fn: 'a:b', wieght: 2}\n"))
+    assert "unknown key `reward[0].wieght`; did you mean `reward[0].weight`?" in message
+
+
+def test_no_close_match_lists_valid_keys_of_that_section(tmp_path):
+    message = error_of(write(tmp_path, REWARD + "log: {zzzzzz: 1}\n"))
+    assert "unknown key `log.zzzzzz`; valid keys in `log`: dir, console, samples_per_step" in message
+
+
+def test_override_typos(tmp_path):
+    path = write(tmp_path, REWARD)
+    message = error_of(path, ["train.lrr=1e-4", "reward.0.wieght=2", "modle.path=x"])
+    assert "override `train.lrr=1e-4`: unknown key `train.lrr`; did you mean `train.lr`?" in message
+    assert "unknown key `reward[0].wieght`; did you mean `reward[0].weight`?" in message
+    assert "unknown key `modle`; did you mean `model`?" in message
+    assert "(3 problems)" in message and str(path) in message
+
+
+def test_override_bad_shapes(tmp_path):
+    message = error_of(
+        write(tmp_path, REWARD),
+        ["no_equals_sign", "reward.x=1", "train.lr.sub=1", "reward.5.fn=a:b", "train.betas.2=0.9"],
+    )
+    assert "override `no_equals_sign`: expected KEY=VALUE" in message
+    assert "`reward` is a list; index it with a number" in message
+    assert "`train.lr` is a single value, it has no key `sub`" in message
+    assert "`reward` has 1 items; index 5 is past the end (index 1 adds one)" in message
+    assert "`train.betas` has exactly 2 items; no index 2" in message
+    assert "(5 problems)" in message
+
+
+# ---- overrides: values and lists ----------------------------------------------------
+
+
+def test_override_coercions(tmp_path):
+    cfg = load_config(
+        write(tmp_path, REWARD),
+        ["train.lr=1e-4", "train.steps=5", "checkpoint.resume=auto", 'rollout.stop=["\\n"]'],
+    )
+    # YAML reads `1e-4` (no dot) as text; the float field turns it into the number
+    assert yaml.safe_load("1e-4") == "1e-4"
+    assert type(cfg.train.lr) is float and cfg.train.lr == 1e-4
+    assert type(cfg.train.steps) is int and cfg.train.steps == 5
+    assert cfg.checkpoint.resume == "auto"
+    assert cfg.rollout.stop == ("\n",)
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path):
+    cfg = load_config(write(tmp_path, REWARD + "train: {lr: 3e-6}\nmodel: {router_aux_loss_coef: 1e-2}\n"))
+    assert cfg.train.lr == 3e-6 and cfg.model.router_aux_loss_coef == 1e-2
+
+
+def test_text_field_keeps_override_text_as_written(tmp_path):
+    cfg = load_config(write(tmp_path, REWARD), ["name=2024", "data.system_prompt=Answer: briefly", "data.eval=null"])
+    assert cfg.name == "2024"
+    assert cfg.data.system_prompt == "Answer: briefly"
+    assert cfg.data.eval is None
+
+
+def test_override_list_items(tmp_path):
+    path = write(tmp_path, REWARD)
+    cfg = load_config(
+        path,
+        ["reward.0.weight=2", "reward.1.fn=b:c", "reward.1.kwargs.k=3", "train.betas.1=0.95", "rollout.stop.0=END"],
+    )
+    assert cfg.reward == (
+        RewardFnConfig(fn="rewards.py:exact", weight=2.0),
+        RewardFnConfig(fn="b:c", kwargs={"k": 3}),
+    )
+    assert cfg.train.betas == (0.9, 0.95)  # an unset list starts from its default
+    assert cfg.rollout.stop == ("END",)
+    # a whole item, and overrides apply in order
+    cfg = load_config(path, ["reward.0={fn: 'x:y', weight: 0.5}", "reward.0.weight=4"])
+    assert cfg.reward == (RewardFnConfig(fn="x:y", weight=4.0),)
+
+
+def test_overrides_without_file():
+    cfg = load_config(None, ["algo.name=sft", "train.steps=3"])
+    assert cfg == Config(algo=AlgoConfig(name="sft"), train=TrainConfig(steps=3))
+
+
+# ---- invalid values -----------------------------------------------------------------
+
+
+def test_invalid_values_all_listed(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        reward: [{fn: 'a:b'}]
+        train: {steps: -1, lr: fast, threads: many}
+        algo: {name: ppo}
+        rollout: {top_p: 2, stop: END}
+        model: 5
+        """,
+    )
+    message = error_of(path)
+    for line in [
+        "train.steps: must be >= 0 (got -1)",
+        "train.lr: must be a valid number, unable to parse string as a number (got 'fast')",
+        "train.threads: must be a valid integer, unable to parse string as an integer (got 'many')",
+        "algo.name: must be 'grpo' or 'sft' (got 'ppo')",
+        "rollout.top_p: must be <= 1.0 (got 2)",
+        "rollout.stop: must be a list (got 'END')",
+        "model: must be a mapping of keys (got 5)",
+    ]:
+        assert f"  - {line}\n" in message + "\n", line
+    assert "(7 problems)" in message
+
+
+def test_missing_required_key(tmp_path):
+    message = error_of(write(tmp_path, "reward:\n  - {weight: 2}\n"))
+    assert "reward[0].fn: required key is missing" in message
+
+
+def test_invalid_value_from_override_names_it(tmp_path):
+    message = error_of(write(tmp_path, REWARD), ["train.steps=-3"])
+    assert "train.steps: must be >= 0 (got -3) (set by override `train.steps=-3`)" in message
+
+
+def test_schema_cross_checks_are_config_errors(tmp_path):
+    message = error_of(write(tmp_path, "algo: {name: grpo}\n"))
+    assert message == f"invalid config {tmp_path / 'exp.yaml'}:\n  - algo.name=grpo needs at least one entry in `reward`"
+    message = error_of(write(tmp_path, REWARD + "algo: {group_size: 1}\n"))
+    assert "algo.group_size must be >= 2 for grpo" in message and "Value error" not in message
+
+
+# ---- files --------------------------------------------------------------------------
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    for text in ["", "# only a comment\n"]:
+        path = write(tmp_path, text)
+        assert load_config(path, ["algo.name=sft"]) == Config(algo=AlgoConfig(name="sft"))
+        # defaults alone are grpo without a reward: the schema's own check fires
+        assert "needs at least one entry in `reward`" in error_of(path)
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just text\n", "str"), ("3\n", "int")])
+def test_non_mapping_top_level(tmp_path, text, kind):
+    path = write(tmp_path, text)
+    message = error_of(path)
+    assert str(path) in message and "top level must be a mapping" in message and f"got a {kind}" in message
+
+
+def test_file_not_found_names_path(tmp_path):
+    path = tmp_path / "missing" / "exp.yaml"
+    assert error_of(path) == f"config file not found: {path}"
+
+
+def test_invalid_yaml_and_duplicate_keys(tmp_path):
+    path = write(tmp_path, "train: {lr: [1,\n")
+    message = error_of(path)
+    assert f"config file {path} is not valid YAML" in message and f'in "{path}", line 2' in message
+    message = error_of(write(tmp_path, REWARD + "train:\n  lr: 0.1\n  lr: 0.2\n"))
+    assert "duplicate key 'lr'" in message and "line 5" in message
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_config_base_dir(tmp_path):
+    path = write(tmp_path, REWARD, name="sub.yaml")
+    assert config_base_dir(path) == tmp_path.resolve()
+    assert config_base_dir(str(path)) == tmp_path.resolve()
+    assert config_base_dir(None) == Path.cwd()
+
+
+# ---- resolved config ----------------------------------------------------------------
+
+
+def test_dump_has_every_field_in_schema_order():
+    cfg = Config(reward=(RewardFnConfig(fn="a:b"),))
+    data = yaml.safe_load(dump_config(cfg))
+    assert list(data) == list(Config.model_fields)
+    assert list(data["train"]) == list(TrainConfig.model_fields)
+    assert data["train"]["betas"] == [0.9, 0.999]
+    assert data["reward"] == [{"fn": "a:b", "weight": 1.0, "name": None, "kwargs": {}}]
+
+
+def test_round_trip_of_resolved_config(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        name: exp1
+        algo: {name: grpo, group_size: 4, adv_scale: none}
+        reward:
+          - {fn: 'r.py:exact', weight: 0.5, kwargs: {tol: 1.0e-3, tags: [a, b]}}
+          - {fn: 'r.py:length', name: len}
+        rollout: {stop: ["\\n", "yes", "2024"], temperature: 0.7}
+        train: {lr: 1e-4, betas: [0.9, 0.95], grad_clip: .inf}
+        """,
+    )
+    cfg = load_config(path, ["checkpoint.resume=auto", "data.system_prompt=Answer: tersely"])
+    saved = save_resolved_config(cfg, tmp_path / "runs" / "exp1")
+    assert saved == tmp_path / "runs" / "exp1" / "config.yaml"
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["config.yaml"]
+    again = load_config(saved)
+    assert again == cfg
+    assert again.rollout.stop == ("\n", "yes", "2024")
+    assert again.train.grad_clip == float("inf")
+    assert dump_config(again) == saved.read_text(encoding="utf-8")
+
+
+def test_config_package_imports_no_torch():
+    code = "import sys, rltune.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
