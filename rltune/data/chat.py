@@ -1,0 +1,116 @@
+"""Rendering prompts and SFT targets into token ids.
+
+Three ways a prompt becomes text, picked by what the prompt and the tokenizer offer:
+
+========================  ==========================================================
+prompt form               rendering
+========================  ==========================================================
+messages, chat template   ``tokenizer.apply_chat_template(messages,
+                          add_generation_prompt=True)``
+text, chat template       wrapped as ``[{"role": "user", "content": text}]``, then as
+                          above
+messages, no template     the plain format below
+text, no template         the text as-is
+========================  ==========================================================
+
+"No template" means the tokenizer has no ``chat_template`` or the caller passed
+``use_chat_template=False`` (``data.chat_template: false``).
+
+The plain format joins the messages one per line and ends with the assistant's turn, so
+the model continues as the assistant::
+
+    system: You are terse.\\n
+    user: 2+2=\\n
+    assistant: 
+
+that is ``"".join(f"{role}: {content}\\n" for each message) + "assistant: "``.
+
+``system_prompt`` is put first as a ``system`` message, unless the messages already start
+with one (the row's own system message wins). For text used as-is, it is prepended as
+``system_prompt + "\\n" + text``.
+
+Text rendered without a template is tokenised with the tokenizer's special tokens (a BOS
+for tokenizers that use one); a chat template writes its own special tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rltune.data.records import Prompt
+
+PLAIN_ASSISTANT_CUE = "assistant: "
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def with_system_prompt(
+    messages: Sequence[Mapping[str, str]], system_prompt: str | None
+) -> list[dict[str, str]]:
+    """``messages`` with ``system_prompt`` first, unless it is None or the messages
+    already open with a system message."""
+    out = [dict(m) for m in messages]
+    if system_prompt is None or (out and out[0].get("role") == "system"):
+        return out
+    return [{"role": "system", "content": system_prompt}, *out]
+
+
+def render_plain(messages: Sequence[Mapping[str, str]]) -> str:
+    """The plain chat format: ``"role: content\\n"`` per message, then ``"assistant: "``."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + PLAIN_ASSISTANT_CUE
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: Prompt,
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+) -> list[int]:
+    """Token ids of ``prompt`` ready for generation (see the module docstring for the
+    rendering rules)."""
+    if use_chat_template and has_chat_template(tokenizer):
+        messages = prompt.messages
+        if messages is None:
+            messages = [{"role": "user", "content": prompt.text}]
+        return _chat_template_ids(tokenizer, with_system_prompt(messages, system_prompt))
+    if prompt.messages is not None:
+        text = render_plain(with_system_prompt(prompt.messages, system_prompt))
+    elif system_prompt is not None:
+        text = f"{system_prompt}\n{prompt.text}"
+    else:
+        text = prompt.text
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_completion(tokenizer: Any, text: str) -> list[int]:
+    """SFT target ids: the tokens of ``text`` (no special tokens added) followed by the
+    tokenizer's EOS, so the model learns where to stop."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError(
+            "the tokenizer has no eos_token_id; SFT targets end with EOS so the model "
+            "learns to stop. Set `eos_token` in the tokenizer's tokenizer_config.json"
+        )
+    return [*tokenizer(text, add_special_tokens=False)["input_ids"], int(eos)]
+
+
+def _chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """``apply_chat_template(tokenize=True)`` as a flat list of ints.
+
+    transformers 5 returns a ``BatchEncoding`` (a mapping with ``input_ids``) by default,
+    older versions a plain list; both are accepted.
+    """
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    ids = list(out)
+    if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
+        if len(ids) != 1:
+            raise ValueError(f"apply_chat_template returned {len(ids)} sequences for one prompt")
+        ids = list(ids[0])
+    return [int(i) for i in ids]

@@ -1,0 +1,68 @@
+"""Turning records into padded batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from rltune.data.records import Prompt, Rollout, TrainBatch
+
+
+def left_pad(seqs: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D long tensors right-aligned: ``(ids [R, P], attention_mask [R, P])``."""
+    ids = pad_sequence(list(seqs), batch_first=True, padding_value=pad_id, padding_side="left")
+    lengths = torch.tensor([len(s) for s in seqs])
+    mask = (torch.arange(ids.shape[1]) >= ids.shape[1] - lengths[:, None]).long()
+    return ids, mask
+
+
+def right_pad(seqs: Sequence[torch.Tensor], value: float | int) -> torch.Tensor:
+    return pad_sequence(list(seqs), batch_first=True, padding_value=value)
+
+
+def join(
+    prompt_ids: Sequence[torch.Tensor], completion_ids: Sequence[torch.Tensor], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded prompts then right-padded completions: ``(input_ids [B, T],
+    attention_mask [B, T], prompt_len)``."""
+    p_ids, p_mask = left_pad(prompt_ids, pad_id)
+    c_ids = right_pad(completion_ids, pad_id)
+    lengths = torch.tensor([len(c) for c in completion_ids])
+    c_mask = (torch.arange(c_ids.shape[1]) < lengths[:, None]).long()
+    return torch.cat([p_ids, c_ids], dim=1), torch.cat([p_mask, c_mask], dim=1), p_ids.shape[1]
+
+
+def collate_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> TrainBatch:
+    """A TrainBatch of rollouts, without advantages. ``behaviour_logprobs`` are the
+    engine's log-probs when every rollout has them."""
+    input_ids, attention_mask, prompt_len = join(
+        [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], pad_id
+    )
+    have_logprobs = all(r.completion_logprobs is not None for r in rollouts)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=prompt_len,
+        loss_mask=right_pad([r.loss_mask for r in rollouts], 0.0),
+        behaviour_logprobs=(
+            right_pad([r.completion_logprobs for r in rollouts], 0.0) if have_logprobs else None
+        ),
+        versions=torch.tensor([r.policy_version for r in rollouts]),
+    )
+
+
+def collate_sft(prompts: Sequence[Prompt], pad_id: int) -> TrainBatch:
+    """A TrainBatch of (prompt, target completion) pairs; the loss covers the completion
+    (``meta["completion_ids"]``, EOS included) and nothing of the prompt."""
+    completions = [torch.tensor(p.meta["completion_ids"], dtype=torch.long) for p in prompts]
+    input_ids, attention_mask, prompt_len = join(
+        [torch.tensor(p.input_ids, dtype=torch.long) for p in prompts], completions, pad_id
+    )
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=prompt_len,
+        loss_mask=attention_mask[:, prompt_len:].float(),
+    )

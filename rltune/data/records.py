@@ -1,0 +1,158 @@
+"""Typed records that cross every boundary of the pipeline.
+
+Shapes use B = rows in the batch, P = prompt columns (left-padded), C = completion
+columns (right-padded), T = P + C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One task instance.
+
+    Exactly one of ``messages`` (chat form, ``[{"role", "content"}, ...]``) or ``text``
+    (raw text, used as-is) is set. ``meta`` carries what reward functions need (``answer``,
+    ``tests``, ...) and is passed to them as keyword arguments. ``input_ids`` is the rendered,
+    tokenised prompt, filled once when the dataset is loaded.
+    """
+
+    id: str
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    input_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError(f"prompt {self.id!r}: set exactly one of `messages` or `text`")
+
+
+@dataclass
+class SamplingParams:
+    """How a generator samples. ``temperature == 0`` means greedy."""
+
+    n: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt.
+
+    ``completion_ids``, ``completion_logprobs`` and ``loss_mask`` are 1-D tensors of the
+    same length L (the completion, EOS included when it was produced).
+    ``completion_logprobs`` are the generating engine's log-probs of the sampled tokens
+    (under the sampling distribution actually used: temperature-scaled), or None when the
+    engine does not report them. ``loss_mask`` is 1 on tokens the policy produced; tokens an
+    environment or tool inserted are 0. ``group`` indexes the prompt within its step, so the
+    ``n`` samples of one prompt share it.
+    """
+
+    prompt_id: str
+    group: int
+    prompt_ids: torch.Tensor  # [P_i] long
+    completion_ids: torch.Tensor  # [L] long
+    completion_logprobs: torch.Tensor | None  # [L] float32
+    loss_mask: torch.Tensor  # [L] float32
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    policy_version: int
+    reward: float | None = None
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    reward_error: str | None = None
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for one learner step.
+
+    ``input_ids``/``attention_mask`` are ``[B, T]``: the prompt left-padded to ``prompt_len``
+    columns, then the completion right-padded. Every per-token field is ``[B, C]`` and is
+    aligned with ``input_ids[:, prompt_len:]`` (the tokens whose log-probs are trained).
+    ``advantages`` is ``[B, C]`` (a per-sequence advantage is expanded, not copied).
+    ``old_logprobs`` None means the batch is learned once, on-policy: the learner uses its
+    own detached log-probs as the old ones, so the PPO ratio is exactly 1 at the first step.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    prompt_len: int
+    loss_mask: torch.Tensor  # [B, C] float32
+    advantages: torch.Tensor | None = None  # [B, C]
+    old_logprobs: torch.Tensor | None = None  # [B, C]
+    ref_logprobs: torch.Tensor | None = None  # [B, C]
+    behaviour_logprobs: torch.Tensor | None = None  # [B, C]
+    returns: torch.Tensor | None = None  # [B, C]
+    values: torch.Tensor | None = None  # [B, C]
+    versions: torch.Tensor | None = None  # [B] long
+
+    @property
+    def completion_len(self) -> int:
+        return self.input_ids.shape[1] - self.prompt_len
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
+        """Rows ``rows`` of every tensor field (views where indexing allows)."""
+        return TrainBatch(
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            prompt_len=self.prompt_len,
+            loss_mask=self.loss_mask[rows],
+            **{
+                name: (None if getattr(self, name) is None else getattr(self, name)[rows])
+                for name in _OPTIONAL_ROW_FIELDS
+            },
+        )
+
+    def trim(self) -> "TrainBatch":
+        """Drop prompt columns that are padding in every row, and completion columns
+        that are masked out in every row."""
+        prompt_mask = self.attention_mask[:, : self.prompt_len]
+        has_token = prompt_mask.any(dim=0)
+        first = int(has_token.nonzero()[0]) if bool(has_token.any()) else self.prompt_len
+        comp_mask = self.attention_mask[:, self.prompt_len :]
+        used = comp_mask.any(dim=0)
+        last = int(used.nonzero()[-1]) + 1 if bool(used.any()) else 0
+        if first == 0 and last == self.completion_len:
+            return self
+        cols = slice(first, self.prompt_len + last)
+        per_tok = slice(0, last)
+        return TrainBatch(
+            input_ids=self.input_ids[:, cols],
+            attention_mask=self.attention_mask[:, cols],
+            prompt_len=self.prompt_len - first,
+            loss_mask=self.loss_mask[:, per_tok],
+            **{
+                name: _trim_field(getattr(self, name), per_tok)
+                for name in _OPTIONAL_ROW_FIELDS
+            },
+        )
+
+
+_OPTIONAL_ROW_FIELDS = (
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "behaviour_logprobs",
+    "returns",
+    "values",
+    "versions",
+)
+
+
+def _trim_field(t: torch.Tensor | None, per_tok: slice) -> torch.Tensor | None:
+    if t is None or t.dim() == 1:
+        return t
+    return t[:, per_tok]

@@ -1,0 +1,26 @@
+"""Built-in tasks, addressed as ``builtin:TASK/SPLIT`` in ``data.train`` / ``data.eval``.
+
+Each entry maps a split name to rows shaped like jsonl rows (``id``, ``prompt``,
+``answer``, ``completion``), so built-in data goes through the same validation as files.
+An unknown split raises ValueError naming the splits the task has.
+
+======================  ===================================================  ===========
+task                    problems                                             rows
+======================  ===================================================  ===========
+``arith``               ``a+b=``, operands 0..99                             train 4000,
+                                                                             eval 300
+``arith_small``         ``a+b=``, operands 0..9                              train 80,
+                                                                             eval 10
+======================  ===================================================  ===========
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rltune.data.tasks.arith import arith, arith_small
+
+TASKS: dict[str, Callable[[str], list[dict[str, str]]]] = {
+    "arith": arith,
+    "arith_small": arith_small,
+}
