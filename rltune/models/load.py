@@ -1,0 +1,247 @@
+"""Loading Hugging Face causal LMs and tokenizers from local directories.
+
+Nothing here downloads: every load is ``local_files_only=True``. A model is named by a
+local directory or by ``builtin:NAME`` (a tiny model built on the spot, see
+:mod:`rltune.models.tiny`); :func:`resolve_model` turns the latter into a directory.
+Problems a user can fix (a wrong path, a missing file, remote code not allowed, a model
+that is not a causal LM) raise :class:`ModelLoadError` naming the path and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from rltune.models.tiny import TINY_FORMAT_VERSION, TINY_SPECS, build_tiny
+
+BUILTIN_PREFIX = "builtin:"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "rltune" / "builtin"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+# Vocabulary files of the tokenizer formats transformers reads: fast, SentencePiece, BPE,
+# WordPiece, Mistral's tekken.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tekken.json"
+)
+# Config keys under which HF MoE architectures store their number of routed experts.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_PATH_FIX = "set `model.path` to a local Hugging Face model directory or to builtin:tiny"
+_REMOTE_FIX = "set `model.trust_remote_code: true` if you trust the code in that directory"
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be loaded; the message names the path and the fix."""
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the local directory ``path``, padding on the left.
+
+    Left padding keeps every prompt's last token in the last prompt column, which is where
+    generation continues and where :func:`~rltune.models.logprobs.completion_logprobs`
+    reads the first completion logit. A tokenizer without a pad token gets its EOS token as
+    pad: padded positions are always identified by the attention mask, never by token id,
+    so sharing the id is harmless. A tokenizer with neither is an error.
+    """
+    directory = _existing_dir(path)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        # transformers 5 would build an empty tokenizer here instead of failing.
+        raise ModelLoadError(
+            f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
+            f"one there with `tokenizer.save_pretrained`, or {_PATH_FIX}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelLoadError(
+            f"could not load a tokenizer from {directory}: {err}. The directory needs "
+            f"tokenizer files written by `save_pretrained` (e.g. tokenizer.json and "
+            f"tokenizer_config.json); if it ships its own tokenizer code, {_REMOTE_FIX}"
+        ) from err
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"the tokenizer in {directory} has neither a pad token nor an EOS token; "
+                f"add `pad_token` to {directory / 'tokenizer_config.json'}"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model(
+    path: str, *, dtype: str = "float32", trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """The causal LM saved in the local directory ``path``, with parameters in ``dtype``.
+
+    Checks, before handing over to transformers, that the directory exists, holds a
+    ``config.json`` naming an architecture this transformers knows (or remote code that
+    is allowed) with a causal-LM head, and holds weights; and, after loading, that no
+    weight was missing (transformers would otherwise initialise it at random, silently).
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(
+            f"model dtype {dtype!r} is not one of {sorted(DTYPES)}; set `model.dtype`"
+        )
+    directory = _existing_dir(path)
+    config = _read_config(directory)
+    _check_architecture(config, directory, trust_remote_code=trust_remote_code)
+    if not any(next(directory.glob(p), None) for p in WEIGHT_PATTERNS):
+        raise ModelLoadError(
+            f"{directory} has a config.json but no weights (*.safetensors or *.bin); "
+            f"save the model there with `save_pretrained`, or {_PATH_FIX}"
+        )
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            dtype=DTYPES[dtype],
+            output_loading_info=True,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelLoadError(
+            f"could not load the model in {directory}: {err}. Check that its weights were "
+            f"written by `save_pretrained` for this config, or {_PATH_FIX}"
+        ) from err
+    bad = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
+    if bad:
+        raise ModelLoadError(
+            f"the weights in {directory} do not fit its config.json: missing or mismatched "
+            f"{bad[:5]}{' ...' if len(bad) > 5 else ''}; the checkpoint is incomplete or "
+            f"belongs to another architecture"
+        )
+    return model
+
+
+def resolve_model(path: str, *, cache_dir: str | None = None, seed: int = 0) -> str:
+    """A local directory for ``path``: ``builtin:NAME`` is built, anything else returned as is.
+
+    The builtin model is built once into ``CACHE/NAME-HASH`` (``CACHE`` defaults to
+    ``~/.cache/rltune/builtin``), where ``HASH`` covers the build spec, ``seed``, the
+    factory's format version and the transformers version, so a changed spec never
+    reuses stale weights. The build writes a temporary directory and renames it, so a
+    directory under its final name is always complete, even with concurrent builders.
+    """
+    if not path.startswith(BUILTIN_PREFIX):
+        return path
+    name = path[len(BUILTIN_PREFIX):]
+    if name not in TINY_SPECS:
+        known = ", ".join(BUILTIN_PREFIX + n for n in TINY_SPECS)
+        raise ModelLoadError(f"unknown builtin model {path!r}; set `model.path` to one of {known}")
+    spec = TINY_SPECS[name]
+    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    final = root / f"{name}-{_spec_hash(spec, seed)}"
+    if final.is_dir():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        build_tiny(tmp, seed=seed, **spec)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is readable like any model dir
+        os.rename(tmp, final)
+    except OSError:
+        # Another process renamed its complete build into place first: use that one.
+        if not final.is_dir():
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return str(final)
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    """Whether ``model`` routes tokens to experts (its config counts more than one)."""
+    config = model.config
+    return any(int(getattr(config, key, None) or 0) > 1 for key in _EXPERT_COUNT_KEYS)
+
+
+def router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """The router load-balancing loss weight in the model's config; 0.0 for a dense model."""
+    if not is_moe(model):
+        return 0.0
+    coef = getattr(model.config, "router_aux_loss_coef", None)
+    if coef is None:
+        raise ModelLoadError(
+            f"{type(model).__name__} is a mixture of experts but its config has no "
+            f"router_aux_loss_coef; set `model.router_aux_loss_coef`"
+        )
+    return float(coef)
+
+
+def _existing_dir(path: str) -> Path:
+    if path.startswith(BUILTIN_PREFIX):
+        raise ModelLoadError(
+            f"{path!r} names a builtin model, not a directory; pass it through "
+            f"`rltune.models.resolve_model` first, which builds it and returns its directory"
+        )
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        raise ModelLoadError(f"model path {directory} does not exist; {_PATH_FIX}")
+    if not directory.is_dir():
+        raise ModelLoadError(f"model path {directory} is a file, not a directory; {_PATH_FIX}")
+    return directory
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(
+            f"{directory} has no config.json, so it is not a Hugging Face model directory; "
+            f"{_PATH_FIX}"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {err}") from err
+
+
+def _check_architecture(
+    config: dict[str, Any], directory: Path, *, trust_remote_code: bool
+) -> None:
+    """Raise unless transformers can build a causal LM from ``config`` under these rules."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ModelLoadError(f"{directory / 'config.json'} has no `model_type`; {_PATH_FIX}")
+    auto_map = config.get("auto_map", {})
+    remote_causal = "AutoModelForCausalLM" in auto_map
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (remote_causal and trust_remote_code):
+        return
+    if remote_causal:
+        raise ModelLoadError(
+            f"the model in {directory} (model_type {model_type!r}) needs code shipped inside "
+            f"that directory, which is off by default; {_REMOTE_FIX}"
+        )
+    if model_type in CONFIG_MAPPING_NAMES or auto_map:
+        raise ModelLoadError(
+            f"the model in {directory} (model_type {model_type!r}) is not a causal language "
+            f"model: neither transformers nor its config's `auto_map` has an "
+            f"AutoModelForCausalLM for it; {_PATH_FIX} of a decoder-only LM"
+        )
+    raise ModelLoadError(
+        f"transformers {transformers.__version__} does not know model_type {model_type!r} "
+        f"of {directory}; upgrade transformers, or {_PATH_FIX}"
+    )
+
+
+def _spec_hash(spec: dict[str, Any], seed: int) -> str:
+    key = {
+        "spec": spec,
+        "seed": seed,
+        "format": TINY_FORMAT_VERSION,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]

@@ -1,0 +1,129 @@
+"""Log-probabilities of completion tokens under a causal LM, for training and scoring.
+
+Layout (see :class:`rltune.data.records.TrainBatch`): ``input_ids``/``attention_mask``
+are ``[B, T]``, the prompt left-padded to ``P = prompt_len`` columns, then the completion
+right-padded to ``C = T - P`` columns. The token in column ``P + j`` is predicted by the
+logits at column ``P + j - 1``, so exactly the ``C`` positions ``P - 1 .. T - 2`` need
+logits; the lm_head is applied to those only (``logits_to_keep``), never to the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rltune.models.load import is_moe
+
+
+@dataclass
+class LogProbOutput:
+    """What :func:`completion_logprobs` returns.
+
+    ``logprobs`` ``[B, C]`` float32: ``log p(input_ids[b, P + j] | input_ids[b, :P + j])``
+    under the temperature-scaled distribution, differentiable; 0 where the completion
+    column is padding. ``entropy`` ``[B, C]`` float32 (no grad) of the same distribution at
+    the same positions, 0 on padding, or None when not asked for. ``aux_loss`` is the
+    router load-balancing loss (0-dim) of an MoE model when asked for, else None.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` positions that count only attended tokens: ``cumsum(mask) - 1``, floored at 0.
+
+    With left padding the first real token gets position 0, as it would unpadded, so the
+    rotary phases (and hence the log-probs) do not depend on how much padding a row has.
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[target]`` as ``logits[target] - logsumexp(logits)``.
+
+    ``logits`` ``[..., V]``, ``targets`` ``[...]`` long; returns ``[...]`` in the dtype of
+    ``logits``. The gather avoids a second ``[..., V]`` tensor that ``log_softmax`` makes.
+    """
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - sum_v p_v z_v``."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    output_router_logits: bool = False,
+) -> LogProbOutput:
+    """Per-token log-probs of ``input_ids[:, prompt_len:]`` given their prefixes.
+
+    ``logp[b, j] = z[tok] - logsumexp(z)`` with ``z = logits[b, P + j - 1] / temperature``,
+    computed in float32 even when the model runs in bfloat16 (only the ``[B, C, V]`` slice
+    that is needed is upcast). ``temperature`` must be the one the sampler used, so the
+    log-probs are those of the distribution the tokens were drawn from (PPO ratios against
+    engine log-probs depend on it); it must be positive.
+
+    ``position_ids`` come from ``attention_mask`` (:func:`position_ids_from_mask`), so left
+    padding does not shift positions. With ``output_router_logits`` an MoE model also
+    returns its router load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6,
+    over the attended tokens of the whole sequence) as ``aux_loss``; a dense model returns
+    None there.
+    """
+    _check_inputs(input_ids, attention_mask, prompt_len, temperature)
+    completion_len = input_ids.shape[1] - prompt_len
+    extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        # C + 1 positions: P - 1 .. T - 1; the last predicts past the end and is dropped.
+        logits_to_keep=completion_len + 1,
+        **extra,
+    )
+    if out.logits.shape[1] != completion_len + 1:
+        raise ValueError(
+            f"{type(model).__name__} returned logits for {out.logits.shape[1]} positions, "
+            f"not the {completion_len + 1} asked for with `logits_to_keep`; it does not "
+            f"support that argument, which rltune needs to skip the prompt's logits"
+        )
+    logits = out.logits[:, :-1].float() / temperature  # [B, C, V]
+    valid = attention_mask[:, prompt_len:].bool()  # [B, C]
+    zero = logits.new_zeros(())
+    logprobs = torch.where(valid, token_logprobs(logits, input_ids[:, prompt_len:]), zero)
+    entropy = torch.where(valid, entropy_from_logits(logits), zero) if with_entropy else None
+    aux_loss = out.aux_loss if extra else None
+    return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss)
+
+
+def _check_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float
+) -> None:
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must both be [B, T]"
+        )
+    if not 1 <= prompt_len < input_ids.shape[1]:
+        raise ValueError(
+            f"prompt_len {prompt_len} must be at least 1 (the first completion token needs a "
+            f"prefix) and less than the sequence length {input_ids.shape[1]}"
+        )
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature {temperature} must be positive; greedy decoding (temperature 0) "
+            f"has no log-probs, score it with temperature 1"
+        )
