@@ -1,0 +1,114 @@
+"""Reward functions that ship with rltune. Name them in a config as
+``rltune.rewards.builtin:NAME`` or, shorter, ``builtin:NAME``.
+
+Each follows the reward contract ``fn(prompt, completion, **meta) -> float | None``:
+``meta`` is the prompt's ``meta`` merged with the config's ``kwargs``. A wrong answer scores
+0.0; a problem with the *data* (no reference answer) raises, so the sample is counted as an
+error instead of being scored as if the model were wrong.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from decimal import Decimal, InvalidOperation
+
+from rltune.data.records import Prompt
+
+# A number as a model writes it: optional sign, digits with optional thousands commas
+# (`1,234`, but not `1,2345`), optional decimals, or a bare `.5`. A `-` directly after a word
+# character or a closing bracket is a binary minus (`10-3`), not a sign.
+_SIGN = r"(?:(?<![\w)\]}])-)?"
+_NUMBER = re.compile(
+    rf"{_SIGN}(?:(?:\d{{1,3}}(?:,\d{{3}})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)",
+    re.ASCII,
+)
+_BOXED = "\\boxed{"
+
+
+def exact_numeric(
+    prompt: Prompt,
+    completion: str,
+    *,
+    answer: str | int | float | None = None,
+    **_: object,
+) -> float | None:
+    """1.0 if the completion's final number equals ``answer``, else 0.0.
+
+    The final number is the last number inside the last ``\\boxed{...}`` when the
+    completion has one (a ``\\boxed{`` without its closing brace is ignored), otherwise the
+    last number in the whole completion. Numbers may carry a sign, decimals and thousands
+    commas: ``"1,234.50"`` reads as 1234.5. Fractions and scientific notation are not parsed.
+    The comparison is exact in decimal: ``"3.0"`` equals ``3``, ``"0.30000001"`` does not
+    equal ``0.3``.
+
+    A completion with no number scores 0.0 (a wrong answer). A missing or unparsable
+    ``answer`` raises ValueError (a data problem: the sample is not scored).
+    """
+    expected = _parse_answer(answer, prompt_id=prompt.id)
+    boxed = _last_boxed(completion)
+    region = completion if boxed is None else boxed
+    numbers_found = _NUMBER.findall(region)
+    if not numbers_found:
+        return 0.0
+    return 1.0 if _to_decimal(numbers_found[-1]) == expected else 0.0
+
+
+def format_regex(prompt: Prompt, completion: str, *, pattern: str, **_: object) -> float:
+    """1.0 if the whole stripped completion matches ``pattern``, else 0.0.
+
+    Uses ``re.fullmatch(pattern, completion.strip(), re.DOTALL)``: the pattern must cover the
+    entire completion (no implicit ``.*`` at either end), and ``.`` also matches newlines.
+    Example: ``"<think>.*</think>\\s*<answer>.*</answer>"``.
+    """
+    return 1.0 if re.fullmatch(pattern, completion.strip(), re.DOTALL) else 0.0
+
+
+def _parse_answer(answer: object, *, prompt_id: str) -> Decimal:
+    if answer is None:
+        raise ValueError(
+            f"prompt {prompt_id!r}: exact_numeric needs an `answer` in the prompt's meta "
+            "(the dataset row) or in the reward's kwargs"
+        )
+    if isinstance(answer, bool):
+        raise ValueError(f"prompt {prompt_id!r}: answer {answer!r} is a bool, not a number")
+    if isinstance(answer, numbers.Integral):
+        value = Decimal(int(answer))
+    elif isinstance(answer, numbers.Real):
+        # repr gives the shortest string that round-trips: 0.1 -> Decimal("0.1"), not the
+        # binary expansion 0.1000000000000000055...
+        value = Decimal(repr(float(answer)))
+    elif isinstance(answer, str) and _NUMBER.fullmatch(answer.strip()):
+        value = _to_decimal(answer.strip())
+    else:
+        raise ValueError(
+            f"prompt {prompt_id!r}: answer {answer!r} is not a number "
+            "(expected e.g. 42, -3.5 or '1,234')"
+        )
+    if not value.is_finite():
+        raise ValueError(f"prompt {prompt_id!r}: answer {answer!r} is not finite")
+    return value
+
+
+def _to_decimal(text: str) -> Decimal:
+    try:
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation as exc:  # unreachable for strings _NUMBER matched
+        raise ValueError(f"cannot read {text!r} as a number") from exc
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, braces balanced; None if there is none."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    begin = start + len(_BOXED)
+    depth = 1
+    for end in range(begin, len(text)):
+        if text[end] == "{":
+            depth += 1
+        elif text[end] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:end]
+    return None

@@ -1,0 +1,183 @@
+"""Turn a reward spec from the config (``module:function`` or ``path/to/file.py:function``)
+into a callable, with errors that say what is wrong and what to write instead.
+
+Spec forms::
+
+    my_package.rewards:correct          # importlib.import_module("my_package.rewards")
+    rewards/math.py:correct             # a file, loaded as a standalone module
+    builtin:exact_numeric               # short for rltune.rewards.builtin:exact_numeric
+
+A relative file path is looked up in ``base_dir`` first (the directory of the config file,
+so a recipe and its reward file can move together), then in the current working
+directory. The function part is split off at the *last* colon, so ``C:\\r.py:f`` works.
+
+A file is loaded without adding its directory to ``sys.path``: a reward file that imports a
+sibling module needs that directory on ``PYTHONPATH`` (or use the module form).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+# Short module names accepted before the colon. ``builtin:NAME`` is the spelling used in
+# recipes; the full module path is the canonical one.
+_MODULE_ALIASES = {"builtin": "rltune.rewards.builtin"}
+
+
+class RewardLoadError(ValueError):
+    """A reward spec that cannot be turned into a usable reward function."""
+
+
+def load_reward_fn(spec: str, *, base_dir: str | None = None) -> Callable[..., Any]:
+    """Load the reward function named by ``spec`` and check it can be called as
+    ``fn(prompt, completion, **meta)``.
+
+    ``base_dir``: where relative file paths are looked up first (then the current working
+    directory). Raises :class:`RewardLoadError` naming the part of the spec that is wrong.
+    """
+    target, sep, attr = spec.strip().rpartition(":")
+    if not sep or not target or not attr:
+        raise RewardLoadError(
+            f"reward spec {spec!r}: expected `module:function` or `path/to/file.py:function` "
+            "(e.g. `builtin:exact_numeric` or `rewards.py:my_reward`)"
+        )
+    if _is_file_target(target):
+        module = _load_file(target, spec=spec, base_dir=base_dir)
+    else:
+        module = _import_module(_MODULE_ALIASES.get(target, target), spec=spec, base_dir=base_dir)
+    fn = _get_callable(module, attr, spec=spec)
+    check_reward_signature(fn, spec=spec)
+    return fn
+
+
+def check_reward_signature(fn: Callable[..., Any], *, spec: str) -> None:
+    """Raise :class:`RewardLoadError` unless ``fn`` takes two positional arguments
+    (``prompt``, ``completion``), or ``*args``.
+
+    Callables whose signature Python cannot inspect (some C builtins) are accepted as they
+    are: a wrong one then fails on every call and shows up in ``reward/errors``.
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(sig.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return
+    positional = [p.name for p in params if p.kind in positional_kinds]
+    if len(positional) < 2:
+        raise RewardLoadError(
+            f"reward spec {spec!r}: {_name(fn)}{sig} cannot be called as "
+            "fn(prompt, completion, **meta); it needs two positional parameters, e.g. "
+            f"`def {_name(fn)}(prompt, completion, **meta):`"
+        )
+
+
+def _is_file_target(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _resolve_file(target: str, *, spec: str, base_dir: str | None) -> Path:
+    path = Path(target).expanduser()
+    if path.is_absolute():
+        candidates = [path]
+    else:
+        roots = ([Path(base_dir)] if base_dir is not None else []) + [Path.cwd()]
+        candidates = [(root / path).resolve() for root in roots]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    tried = ", ".join(str(c) for c in candidates)
+    raise RewardLoadError(f"reward spec {spec!r}: file not found (looked for {tried})")
+
+
+def _load_file(target: str, *, spec: str, base_dir: str | None) -> ModuleType:
+    path = _resolve_file(target, spec=spec, base_dir=base_dir)
+    # One module name per file path: two files both called rewards.py must not collide, and
+    # loading the same file twice reuses the module (its globals, caches) like an import.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    module_name = f"rltune_user_reward_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    import_spec = importlib.util.spec_from_file_location(module_name, path)
+    if import_spec is None or import_spec.loader is None:
+        raise RewardLoadError(f"reward spec {spec!r}: {path} cannot be loaded as a Python file")
+    module = importlib.util.module_from_spec(import_spec)
+    # Registered before running it, as `import` does: a dataclass in the user's file looks
+    # its module up in sys.modules while the file runs.
+    sys.modules[module_name] = module
+    try:
+        import_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file raised while running: report it with the file
+        del sys.modules[module_name]
+        raise RewardLoadError(
+            f"reward spec {spec!r}: running {path} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
+def _import_module(name: str, *, spec: str, base_dir: str | None) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        hint = _file_form_hint(name, base_dir=base_dir)
+        raise RewardLoadError(
+            f"reward spec {spec!r}: cannot import module {name!r}: {exc}{hint}"
+        ) from exc
+    except Exception as exc:  # the module itself raised on import
+        raise RewardLoadError(
+            f"reward spec {spec!r}: importing module {name!r} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _file_form_hint(name: str, *, base_dir: str | None) -> str:
+    """The common slip: `my_rewards:fn` for a file next to the config, which is not on
+    sys.path when rltune runs as a console script."""
+    relative = Path(*name.split(".")).with_suffix(".py")
+    roots = ([Path(base_dir)] if base_dir is not None else []) + [Path.cwd()]
+    for root in roots:
+        if (root / relative).is_file():
+            return f" (there is a file {root / relative}: write it as `{relative.as_posix()}:FUNCTION`)"
+    return ""
+
+
+def _get_callable(module: ModuleType, attr: str, *, spec: str) -> Callable[..., Any]:
+    if not hasattr(module, attr):
+        available = _public_callables(module)
+        close = difflib.get_close_matches(attr, available, n=1)
+        suggestion = f"; did you mean {close[0]!r}?" if close else ""
+        listing = ", ".join(available) if available else "none"
+        raise RewardLoadError(
+            f"reward spec {spec!r}: module {module.__name__!r} has no attribute {attr!r}"
+            f"{suggestion} (its functions: {listing})"
+        )
+    fn = getattr(module, attr)
+    if not callable(fn) or inspect.isclass(fn):
+        what = "a class" if inspect.isclass(fn) else f"a value of type {type(fn).__name__}"
+        raise RewardLoadError(
+            f"reward spec {spec!r}: {attr!r} is {what}, not a function; a reward is "
+            "`def fn(prompt, completion, **meta) -> float | None`"
+        )
+    return fn
+
+
+def _public_callables(module: ModuleType) -> list[str]:
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and callable(value) and not inspect.isclass(value)
+    )
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)

@@ -1,0 +1,85 @@
+"""Built-in reward functions against hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from rltune.data.records import Prompt
+from rltune.rewards.builtin import exact_numeric, format_regex
+
+PROMPT = Prompt(id="row-7", text="What is 41 * 2?")
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("The answer is 82", "82", 1.0),
+        ("The answer is 82.", 82, 1.0),
+        ("81", "82", 0.0),
+        ("First 82, then I changed my mind: 81", 82, 0.0),  # the LAST number counts
+        ("1,234", 1234, 1.0),
+        ("Total: $1,234.50", "1234.5", 1.0),
+        ("1,234", "1,234", 1.0),
+        ("\\boxed{7} ... 9", 7, 1.0),  # the boxed answer wins over a later number
+        ("\\boxed{7} ... 9", 9, 0.0),
+        ("so \\boxed{x = 12} and 3", 12, 1.0),
+        ("\\boxed{1} wait, \\boxed{2}", 2, 1.0),  # the last box
+        ("\\boxed{no number} 5", 5, 0.0),  # a box without a number is a wrong answer
+        ("unclosed \\boxed{4 and then 5", 5, 1.0),  # an unclosed box is ignored
+        ("-3", "-3", 1.0),
+        ("x = -3", -3, 1.0),
+        ("10-3", 3, 1.0),  # binary minus, not a sign
+        ("3.0", "3", 1.0),
+        ("3", 3.0, 1.0),
+        ("0.1", 0.1, 1.0),
+        (".5", "0.5", 1.0),
+        ("3.0001", 3, 0.0),
+        ("12345", "1,234", 0.0),
+        ("I don't know", "82", 0.0),  # no number: wrong, not an error
+        ("", 0, 0.0),
+    ],
+)
+def test_exact_numeric_hand_cases(completion: str, answer: object, expected: float) -> None:
+    assert exact_numeric(PROMPT, completion, answer=answer) == expected
+
+
+def test_exact_numeric_ignores_other_meta() -> None:
+    assert exact_numeric(PROMPT, "82", answer="82", source="gsm8k", difficulty=3) == 1.0
+
+
+def test_exact_numeric_missing_answer_is_an_error_naming_the_prompt() -> None:
+    with pytest.raises(ValueError, match="prompt 'row-7': exact_numeric needs an `answer`"):
+        exact_numeric(PROMPT, "82")
+
+
+@pytest.mark.parametrize(
+    ("answer", "problem"),
+    [
+        ("eighty-two", "is not a number"),
+        ("#### 82", "is not a number"),
+        ([82], "is not a number"),
+        (True, "is a bool"),
+        (float("nan"), "is not finite"),
+        (float("inf"), "is not finite"),
+    ],
+)
+def test_exact_numeric_unparsable_answer(answer: object, problem: str) -> None:
+    with pytest.raises(ValueError, match=f"prompt 'row-7': answer .* {problem}"):
+        exact_numeric(PROMPT, "82", answer=answer)
+
+
+THINK = r"<think>.*</think>\s*<answer>.*</answer>"
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<think>a\nb</think>\n<answer>4</answer>", 1.0),  # DOTALL: . crosses newlines
+        ("  <think>x</think><answer>4</answer>\n", 1.0),  # surrounding whitespace stripped
+        ("<think>x</think><answer>4</answer> extra", 0.0),  # fullmatch: no trailing text
+        ("preamble <think>x</think><answer>4</answer>", 0.0),  # nor leading text
+        ("<answer>4</answer>", 0.0),
+    ],
+)
+def test_format_regex_fullmatch(completion: str, expected: float) -> None:
+    assert format_regex(PROMPT, completion, pattern=THINK) == expected

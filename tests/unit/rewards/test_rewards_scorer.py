@@ -1,0 +1,306 @@
+"""build_reward_fns and LocalScorer: weighted sums, errors as data, thread pool == loop."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rltune.config.schema import RewardFnConfig
+from rltune.data.records import Prompt, Rollout
+from rltune.rewards.builtin import exact_numeric, format_regex
+from rltune.rewards.loading import RewardLoadError
+from rltune.rewards.scorer import LocalScorer, RewardFn, ScoreStats, build_reward_fns
+
+
+def _rollout(prompt_id: str, text: str, group: int = 0) -> Rollout:
+    return Rollout(
+        prompt_id=prompt_id,
+        group=group,
+        prompt_ids=torch.tensor([1, 2]),
+        completion_ids=torch.tensor([3, 4]),
+        completion_logprobs=None,
+        loss_mask=torch.ones(2),
+        text=text,
+        finish_reason="stop",
+        policy_version=0,
+    )
+
+
+PROMPTS = {
+    "a": Prompt(id="a", text="2+2?", meta={"answer": "4"}),
+    "b": Prompt(id="b", text="3*3?", meta={"answer": 9}),
+}
+
+ANSWER_TAG = r"<answer>.*</answer>"
+
+
+def test_weighted_sum_by_hand() -> None:
+    fns = [
+        RewardFn("correct", exact_numeric, 1.0),
+        RewardFn("format", format_regex, 0.5, {"pattern": ANSWER_TAG}),
+    ]
+    rollouts = [
+        _rollout("a", "<answer>4</answer>"),  # correct 1, format 1 -> 1 + 0.5 = 1.5
+        _rollout("a", "4"),  # correct 1, format 0 -> 1.0
+        _rollout("b", "<answer>8</answer>"),  # correct 0, format 1 -> 0.5
+        _rollout("b", "no idea"),  # correct 0, format 0 -> 0.0
+    ]
+    stats = LocalScorer(fns).score(PROMPTS, rollouts)
+    assert [r.reward for r in rollouts] == [1.5, 1.0, 0.5, 0.0]
+    assert [r.rewards for r in rollouts] == [
+        {"correct": 1.0, "format": 1.0},
+        {"correct": 1.0, "format": 0.0},
+        {"correct": 0.0, "format": 1.0},
+        {"correct": 0.0, "format": 0.0},
+    ]
+    assert all(r.reward_error is None for r in rollouts)
+    assert stats.errors == 0
+    assert stats.per_fn_mean == {"correct": 0.5, "format": 0.5}
+    assert stats.per_fn_errors == {"correct": 0, "format": 0}
+    assert set(stats.seconds) == {"correct", "format"}
+    assert all(s >= 0.0 for s in stats.seconds.values())
+
+
+def test_meta_is_prompt_meta_merged_with_kwargs_and_kwargs_win() -> None:
+    seen: list[dict[str, object]] = []
+
+    def record(prompt: Prompt, completion: str, **meta: object) -> float:
+        seen.append(meta)
+        return 1.0
+
+    prompts = {"a": Prompt(id="a", text="q", meta={"answer": "4", "pattern": "from-data"})}
+    fns = [RewardFn("record", record, 1.0, {"pattern": "from-config", "extra": 2})]
+    LocalScorer(fns).score(prompts, [_rollout("a", "x")])
+    assert seen == [{"answer": "4", "pattern": "from-config", "extra": 2}]
+    assert prompts["a"].meta == {"answer": "4", "pattern": "from-data"}  # not mutated
+
+
+def _flaky(prompt: Prompt, completion: str, **meta: object) -> float | None:
+    if completion == "boom":
+        raise RuntimeError("judge timed out")
+    if completion == "skip":
+        return None
+    return float(len(completion))
+
+
+def test_raising_and_none_samples_are_masked_and_counted() -> None:
+    fns = [RewardFn("len", _flaky, 2.0), RewardFn("correct", exact_numeric, 1.0)]
+    rollouts = [
+        _rollout("a", "4"),  # len 1 * 2 + correct 1 = 3
+        _rollout("a", "boom"),
+        _rollout("b", "skip"),
+        _rollout("b", "9 9"),  # len 3 * 2 + correct 1 = 7
+        _rollout("a", "boom"),
+    ]
+    stats = LocalScorer(fns).score(PROMPTS, rollouts)
+    assert [r.reward for r in rollouts] == [3.0, None, None, 7.0, None]
+    assert [r.reward_error for r in rollouts] == [
+        None,
+        "len: RuntimeError: judge timed out",
+        "len: returned None",
+        None,
+        "len: RuntimeError: judge timed out",
+    ]
+    # The functions that did score a failed sample still report their value.
+    assert rollouts[1].rewards == {"len": None, "correct": 0.0}
+    assert stats.errors == 3
+    assert stats.per_fn_errors == {"len": 3, "correct": 0}
+    assert stats.per_fn_mean["len"] == pytest.approx((1.0 + 3.0) / 2, abs=1e-12)
+    assert stats.per_fn_mean["correct"] == pytest.approx(2 / 5, abs=1e-12)
+
+
+def test_first_failure_in_config_order_is_reported() -> None:
+    def bad_a(prompt: Prompt, completion: str, **meta: object) -> float:
+        raise KeyError("tests")
+
+    def bad_b(prompt: Prompt, completion: str, **meta: object) -> None:
+        return None
+
+    rollout = _rollout("a", "x")
+    stats = LocalScorer([RewardFn("b", bad_b), RewardFn("a", bad_a)]).score(PROMPTS, [rollout])
+    assert rollout.reward is None
+    assert rollout.reward_error == "b: returned None"
+    assert stats.per_fn_errors == {"b": 1, "a": 1}
+    assert stats.errors == 1
+    assert math.isnan(stats.per_fn_mean["a"]) and math.isnan(stats.per_fn_mean["b"])
+
+
+def test_data_error_from_builtin_is_reported_not_scored_zero() -> None:
+    prompts = {"c": Prompt(id="c", text="q", meta={})}  # the row has no answer
+    rollout = _rollout("c", "4")
+    stats = LocalScorer([RewardFn("correct", exact_numeric)]).score(prompts, [rollout])
+    assert rollout.reward is None
+    assert rollout.reward_error is not None
+    assert rollout.reward_error.startswith("correct: ValueError: prompt 'c': exact_numeric needs")
+    assert stats.errors == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("1.0", "returned str '1.0'"),
+        ([1.0], "returned list [1.0]"),
+        (float("nan"), "returned float nan"),
+        (float("inf"), "returned float inf"),
+        (-float("inf"), "returned float -inf"),
+        (torch.tensor(1.0), "returned Tensor tensor(1.)"),
+    ],
+)
+def test_non_numeric_returns_are_errors(value: object, fragment: str) -> None:
+    rollout = _rollout("a", "x")
+    stats = LocalScorer([RewardFn("odd", lambda p, c, **m: value)]).score(PROMPTS, [rollout])
+    assert rollout.reward is None
+    assert rollout.rewards == {"odd": None}
+    assert rollout.reward_error == f"odd: {fragment} (expected a finite number)"
+    assert stats.errors == 1
+
+
+def test_long_error_messages_are_shortened() -> None:
+    def chatty(prompt: Prompt, completion: str, **meta: object) -> float:
+        raise ValueError("x" * 500)
+
+    rollout = _rollout("a", "x")
+    LocalScorer([RewardFn("chatty", chatty)]).score(PROMPTS, [rollout])
+    assert rollout.reward_error == "chatty: ValueError: " + "x" * 77 + "..."
+
+
+def test_bool_and_int_returns_are_numbers() -> None:
+    fns = [RewardFn("flag", lambda p, c, **m: c == "yes", 3.0), RewardFn("n", lambda p, c, **m: 2)]
+    rollouts = [_rollout("a", "yes"), _rollout("a", "no")]
+    LocalScorer(fns).score(PROMPTS, rollouts)
+    assert [r.reward for r in rollouts] == [3.0 * 1.0 + 2.0, 3.0 * 0.0 + 2.0]
+    assert rollouts[0].rewards == {"flag": 1.0, "n": 2.0}
+    assert all(type(v) is float for v in rollouts[0].rewards.values())
+
+
+def test_rescoring_overwrites_previous_results() -> None:
+    rollout = _rollout("a", "boom")
+    LocalScorer([RewardFn("len", _flaky)]).score(PROMPTS, [rollout])
+    assert rollout.reward_error is not None
+    LocalScorer([RewardFn("correct", exact_numeric)]).score(PROMPTS, [rollout])
+    assert rollout.rewards == {"correct": 0.0}
+    assert rollout.reward == 0.0 and rollout.reward_error is None
+
+
+def test_unknown_prompt_id_is_a_caller_bug() -> None:
+    with pytest.raises(KeyError, match="prompt ids not passed to score"):
+        LocalScorer([RewardFn("len", _flaky)]).score(PROMPTS, [_rollout("zzz", "x")])
+
+
+def test_empty_batch() -> None:
+    stats = LocalScorer([RewardFn("len", _flaky)]).score(PROMPTS, [])
+    assert stats.errors == 0 and stats.per_fn_errors == {"len": 0}
+    assert math.isnan(stats.per_fn_mean["len"])
+
+
+def test_thread_pool_matches_loop_and_uses_threads() -> None:
+    threads: set[str] = set()
+
+    def slow_len(prompt: Prompt, completion: str, **meta: object) -> float | None:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)
+        return _flaky(prompt, completion)
+
+    fns = [RewardFn("len", slow_len, 0.25), RewardFn("correct", exact_numeric, 1.0)]
+    texts = ["4", "boom", "9", "skip", "<answer>4</answer>", "12", "x", "4 4"] * 3
+    loop_rollouts = [_rollout("ab"[i % 2], t, i) for i, t in enumerate(texts)]
+    pool_rollouts = [_rollout("ab"[i % 2], t, i) for i, t in enumerate(texts)]
+    loop_stats = LocalScorer(fns).score(PROMPTS, loop_rollouts)
+    threads.clear()
+    pool_stats = LocalScorer(fns, max_workers=4).score(PROMPTS, pool_rollouts)
+    assert len(threads) > 1
+    for mine, theirs in zip(pool_rollouts, loop_rollouts):
+        assert (mine.reward, mine.rewards, mine.reward_error) == (
+            theirs.reward,
+            theirs.rewards,
+            theirs.reward_error,
+        )
+    assert pool_stats.errors == loop_stats.errors == 6
+    assert pool_stats.per_fn_mean == loop_stats.per_fn_mean
+    assert pool_stats.per_fn_errors == loop_stats.per_fn_errors
+
+
+def test_scorer_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_workers must be >= 1"):
+        LocalScorer([RewardFn("len", _flaky)], max_workers=0)
+    with pytest.raises(ValueError, match="at least one reward function"):
+        LocalScorer([])
+
+
+# build_reward_fns ----------------------------------------------------------------------
+
+USER_FILE = textwrap.dedent(
+    """
+    def my_reward(prompt, completion, **kw):
+        return kw["scale"] * len(completion)
+
+    def strict(prompt, completion, answer=None):
+        return 1.0
+
+    lam = lambda prompt, completion, **kw: 1.0
+    """
+)
+
+
+def _user_file(tmp_path: Path) -> Path:
+    path = tmp_path / "user_rewards.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_build_from_config_and_score(tmp_path: Path) -> None:
+    _user_file(tmp_path)
+    configs = [
+        RewardFnConfig(fn="builtin:exact_numeric"),
+        RewardFnConfig(fn="user_rewards.py:my_reward", weight=0.5, kwargs={"scale": 2.0}),
+    ]
+    fns = build_reward_fns(configs, base_dir=str(tmp_path))
+    assert [(f.name, f.weight, dict(f.kwargs)) for f in fns] == [
+        ("exact_numeric", 1.0, {}),
+        ("my_reward", 0.5, {"scale": 2.0}),
+    ]
+    assert fns[0].fn is exact_numeric
+    rollout = _rollout("a", "4")
+    stats = LocalScorer(fns).score(PROMPTS, [rollout])
+    assert isinstance(stats, ScoreStats)
+    assert rollout.rewards == {"exact_numeric": 1.0, "my_reward": 2.0}
+    assert rollout.reward == 1.0 + 0.5 * 2.0
+
+
+def test_duplicate_names_ask_for_name(tmp_path: Path) -> None:
+    configs = [RewardFnConfig(fn="builtin:format_regex", kwargs={"pattern": p}) for p in "ab"]
+    with pytest.raises(RewardLoadError, match="two reward functions are named 'format_regex'.*`name:`"):
+        build_reward_fns(configs)
+    named = [
+        RewardFnConfig(fn="builtin:format_regex", name=f"fmt_{p}", kwargs={"pattern": p})
+        for p in "ab"
+    ]
+    assert [f.name for f in build_reward_fns(named)] == ["fmt_a", "fmt_b"]
+
+
+def test_kwargs_the_function_cannot_take(tmp_path: Path) -> None:
+    path = _user_file(tmp_path)
+    config = RewardFnConfig(fn=f"{path}:strict", kwargs={"answer": 1, "scal": 2})
+    with pytest.raises(RewardLoadError, match=r"kwargs \['scal'\] are not parameters"):
+        build_reward_fns([config])
+    config = RewardFnConfig(fn="builtin:exact_numeric", kwargs={"prompt": "x"})
+    with pytest.raises(RewardLoadError, match=r"may not be named \['prompt'\]"):
+        build_reward_fns([config])
+
+
+def test_lambda_is_named_by_its_spec_and_weights_must_be_finite(tmp_path: Path) -> None:
+    path = _user_file(tmp_path)
+    assert build_reward_fns([RewardFnConfig(fn=f"{path}:lam")])[0].name == "lam"
+    with pytest.raises(RewardLoadError, match="weight nan is not finite"):
+        build_reward_fns([RewardFnConfig(fn=f"{path}:lam", weight=float("nan"))])
+
+
+def test_load_errors_propagate_from_build() -> None:
+    with pytest.raises(RewardLoadError, match="did you mean 'exact_numeric'"):
+        build_reward_fns([RewardFnConfig(fn="builtin:exact_number")])
