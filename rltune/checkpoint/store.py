@@ -1,0 +1,361 @@
+"""Atomic checkpoints on disk: safetensors for tensors, JSON for everything else.
+
+Layout of a checkpoint root (``runs/NAME/checkpoints``)::
+
+    step-N/
+        <stem>.safetensors   one per entry of ``tensors`` (a flat name -> tensor dict)
+        state.json           ``meta``
+        COMPLETE             written last: {"format": 1, "step": N, "files": {name: sha256}}
+
+A save writes every file into ``.tmp-step-N-<random>``, fsyncs the files and the
+directory, renames it to ``step-N`` and only then writes ``COMPLETE`` (through its own
+temp file and rename). A directory without ``COMPLETE`` is an interrupted save: readers
+ignore it and the next save deletes it. Older checkpoints are pruned only after the new
+one is complete, so a crash at any point leaves the previous complete checkpoint loadable.
+
+Saving a step that already exists complete moves the old directory aside to
+``.replaced-step-N-<random>`` until the new one is complete; if the process dies in
+between, ``latest_checkpoint`` returns the moved-aside copy and the next save puts it back.
+
+One writer per root at a time (the driver); readers may run concurrently with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MARKER = "COMPLETE"
+META_FILE = "state.json"
+TENSOR_SUFFIX = ".safetensors"
+FORMAT_VERSION = 1
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TMP_DIR = re.compile(r"\.tmp-step-\d+-[0-9a-f]+")
+_REPLACED_DIR = re.compile(r"\.replaced-step-(\d+)-[0-9a-f]+")
+_STEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is incomplete or corrupt, or does not fit what loads it."""
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    meta: Mapping[str, Any],
+    keep: int,
+) -> Path:
+    """Write ``root/step-{step}`` atomically and keep the newest ``keep`` complete ones.
+
+    Args:
+        root: checkpoint directory (created if missing).
+        step: training step the state belongs to (>= 0).
+        tensors: file stem -> flat state dict, each written as ``<stem>.safetensors``,
+            e.g. ``{"model": model.state_dict(), "optimizer": opt_tensors}``. Tensors may
+            live on any device (they are copied to CPU) and may share storage (tied
+            weights are written once per key, so ``load_state_dict(strict=True)`` works).
+        meta: JSON-able dict (str or int keys, lists/tuples, str/int/float/bool/None),
+            written as ``state.json``.
+        keep: number of complete checkpoints to keep (>= 1). The one just written is
+            always kept, even when an older run left checkpoints with higher steps.
+
+    Returns:
+        The path of the new complete checkpoint.
+    """
+    _check_save_args(step, tensors, meta, keep)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _recover(root)
+    tmp = root / f".tmp-step-{step}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        digests = _write_files(tmp, tensors, meta)
+        _fsync_dir(tmp)
+        final = _install(root, tmp, step)
+    except BaseException:
+        # Only our own half-written temp dir goes; the error itself propagates.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_marker(final, step, digests)
+    _recover(root)  # the moved-aside copy of this step (if any) is now obsolete
+    _prune(root, keep=keep, current=step)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` by step number, or None if none.
+
+    Marker-less directories and temp dirs are ignored. Checksums are not verified here;
+    ``load_checkpoint`` does that.
+    """
+    root = Path(root)
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint root {root} exists but is not a directory")
+    best: tuple[tuple[int, bool], Path] | None = None
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name) or _REPLACED_DIR.fullmatch(entry.name)
+        if match and _is_complete(entry):
+            # A complete step-N wins over a moved-aside copy of the same step.
+            rank = (int(match[1]), entry.name.startswith("step-"))
+            if best is None or rank > best[0]:
+                best = (rank, entry)
+    return None if best is None else best[1]
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Read a complete checkpoint, verifying its marker and every file's sha256.
+
+    Returns:
+        ``(tensors, meta)``: file stem -> flat CPU state dict, and the saved ``meta``.
+
+    Raises:
+        CheckpointError: the directory is missing, has no ``COMPLETE`` marker (an
+            interrupted save), or a listed file is missing or fails its checksum.
+    """
+    path = Path(path)
+    files = _read_marker(path)
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: {name} is listed in {MARKER} but missing")
+        actual = _sha256(file)
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has sha256 {actual} but {MARKER} records {expected}; "
+                "the file is corrupt or was changed after the save"
+            )
+    tensors = {
+        name[: -len(TENSOR_SUFFIX)]: load_file(str(path / name), device="cpu")
+        for name in files
+        if name.endswith(TENSOR_SUFFIX)
+    }
+    meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    return tensors, meta
+
+
+def check_json(value: Any, *, where: str) -> Any:
+    """Return ``value`` unchanged if ``json.dumps`` can write it and JSON keeps its meaning.
+
+    Allowed: None, bool, int, float (inf/nan included), str, list/tuple of those, dicts
+    with str or int keys. Raises TypeError naming the offending entry (``where`` is the
+    path printed for the top level).
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_json(item, where=f"{where}[{i}]")
+        return value
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"{where} has key {key!r} of type {type(key).__name__}; JSON needs str or int keys")
+            check_json(item, where=f"{where}[{key!r}]")
+        return value
+    raise TypeError(f"{where} is a {type(value).__name__}, which JSON cannot hold; store tensors in `tensors`")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _check_save_args(step: int, tensors: Mapping, meta: Mapping, keep: int) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    for stem in tensors:
+        if not isinstance(stem, str) or not _STEM.fullmatch(stem) or stem == MARKER:
+            raise ValueError(
+                f"tensors key {stem!r} is not a usable file stem: use letters, digits, '_', '.', '-', "
+                f"not starting with '.' or '-', and not {MARKER!r}"
+            )
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+    check_json(meta, where="meta")
+
+
+def _write_files(tmp: Path, tensors: Mapping, meta: Mapping) -> dict[str, str]:
+    """Write every tensor file and state.json into ``tmp``; fsync each; return sha256s."""
+    digests: dict[str, str] = {}
+    for stem, state in tensors.items():
+        path = tmp / f"{stem}{TENSOR_SUFFIX}"
+        save_file(_storable(state, stem=stem), str(path))
+        digests[path.name] = _sha256(path, fsync=True)
+    path = tmp / META_FILE
+    path.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    digests[path.name] = _sha256(path, fsync=True)
+    return digests
+
+
+def _storable(state: Mapping[str, torch.Tensor], *, stem: str) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, one storage per key: what ``safetensors.save_file`` accepts.
+
+    Tied weights (two keys, one storage) are refused by safetensors; the second key
+    gets its own copy, so both keys are saved and a strict ``load_state_dict`` finds them.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensors[{stem!r}] has key {key!r}; safetensors needs str keys")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"tensors[{stem!r}][{key!r}] is a {type(value).__name__}, not a torch.Tensor")
+        tensor = value.detach().to("cpu").contiguous()
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            tensor = tensor.clone()
+        elif ptr != 0:  # empty tensors have no storage to share
+            seen.add(ptr)
+        out[key] = tensor
+    return out
+
+
+def _install(root: Path, tmp: Path, step: int) -> Path:
+    """Rename the finished temp dir to ``step-N``, moving a complete old one aside first."""
+    final = root / f"step-{step}"
+    if final.exists():  # _recover removed incomplete ones, so this one is complete
+        os.replace(final, root / f".replaced-step-{step}-{secrets.token_hex(4)}")
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def _write_marker(final: Path, step: int, digests: dict[str, str]) -> None:
+    payload = json.dumps({"format": FORMAT_VERSION, "step": step, "files": digests}, indent=1)
+    tmp = final / f".{MARKER}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final / MARKER)
+    _fsync_dir(final)
+
+
+# --------------------------------------------------------------------------- cleaning
+
+
+def _recover(root: Path) -> None:
+    """Restore moved-aside copies whose step has no complete dir; delete debris.
+
+    Debris: ``.tmp-step-*`` dirs, marker-less ``step-N`` dirs, and moved-aside copies
+    made obsolete by a complete ``step-N``. Complete checkpoints are never touched.
+    """
+    for entry in sorted(root.iterdir()):
+        match = _REPLACED_DIR.fullmatch(entry.name)
+        if match and entry.is_dir():
+            target = root / f"step-{match[1]}"
+            if _is_complete(entry) and not _is_complete(target):
+                if target.exists():
+                    _remove(target)
+                os.replace(entry, target)
+                _fsync_dir(root)
+            else:
+                _remove(entry)
+    for entry in root.iterdir():
+        if not entry.is_dir():
+            continue
+        stray_tmp = _TMP_DIR.fullmatch(entry.name)
+        incomplete = _STEP_DIR.fullmatch(entry.name) and not _is_complete(entry)
+        if stray_tmp or incomplete:
+            _remove(entry)
+
+
+def _prune(root: Path, *, keep: int, current: int) -> None:
+    complete = sorted(
+        (int(m[1]), entry)
+        for entry in root.iterdir()
+        if (m := _STEP_DIR.fullmatch(entry.name)) and _is_complete(entry)
+    )
+    kept = {step for step, _ in complete[-keep:]} | {current}
+    for step, entry in complete:
+        if step not in kept:
+            _remove(entry)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint dir so that a crash midway never leaves it looking complete."""
+    marker = path / MARKER
+    if marker.exists():
+        marker.unlink()
+        _fsync_dir(path)
+    shutil.rmtree(path)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / MARKER).is_file()
+
+
+def _read_marker(path: Path) -> dict[str, str]:
+    """Parse and check ``path/COMPLETE``; return file name -> sha256."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has no {MARKER} marker: the save that wrote it did not finish; "
+            "load a complete one (latest_checkpoint(root) returns the newest)"
+        )
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is not valid JSON ({err})") from err
+    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION or not isinstance(record.get("files"), dict):
+        raise CheckpointError(
+            f"checkpoint {path}: {MARKER} is not a format-{FORMAT_VERSION} marker with a 'files' table"
+        )
+    files = record["files"]
+    for name, digest in files.items():
+        if "/" in name or "\\" in name or name.startswith(".") or not isinstance(digest, str):
+            raise CheckpointError(f"checkpoint {path}: {MARKER} lists a bad entry {name!r}: {digest!r}")
+    if META_FILE not in files:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} does not list {META_FILE}")
+    match = _STEP_DIR.fullmatch(path.name)
+    if match and int(match[1]) != record.get("step"):
+        raise CheckpointError(
+            f"checkpoint {path}: directory says step {match[1]} but {MARKER} says {record.get('step')!r}"
+        )
+    return files
+
+
+def _sha256(path: Path, *, fsync: bool = False) -> str:
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fsync:
+            os.fsync(fd)
+        while chunk := os.read(fd, _HASH_CHUNK):
+            digest.update(chunk)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new file inside ``path`` durable (POSIX)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
