@@ -1,0 +1,81 @@
+"""`rltune train FILE [key.sub=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from rich.console import Console
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean the input (config, data, model, reward, checkpoint) is wrong: shown
+    as one message, without a traceback."""
+    from rltune.checkpoint.store import CheckpointError
+    from rltune.config import ConfigError
+    from rltune.data.loaders import DataError
+    from rltune.learner.learner import NonFiniteError
+    from rltune.models.load import ModelLoadError
+    from rltune.rewards.loading import RewardLoadError
+
+    return (ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError)
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from rltune.config import config_base_dir, load_config
+    from rltune.runtime.local import run_local
+
+    cfg = load_config(args.config, args.overrides)
+    run = run_local(cfg, config_dir=config_base_dir(args.config))
+    console.print(f"run directory: {run.run_dir}")
+    _print_eval_summary(run, console)
+    return 0
+
+
+def _print_eval_summary(run, console: Console) -> None:
+    """Held-out scores at the first and last evaluation of this run's metrics file."""
+    import json
+
+    evals = [
+        rec for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()
+        if (rec := json.loads(line)) and any(k.startswith("eval/reward/") for k in rec)
+    ]
+    if len(evals) < 1:
+        return
+    first, last = evals[0], evals[-1]
+    for key in sorted(k for k in last if k.startswith("eval/reward/") and k != "eval/reward/std"):
+        before, after = first.get(key), last.get(key)
+        if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
+            continue
+        console.print(
+            f"held-out {key[len('eval/reward/'):]}: step {first['step']} {before:.3f} -> "
+            f"step {last['step']} {after:.3f} ({after - before:+.3f})"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rltune", description="RL post-training for language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train from a YAML config")
+    p.add_argument("config", help="experiment YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
+    p.set_defaults(fn=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        return args.fn(args, console)
+    except _user_errors() as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

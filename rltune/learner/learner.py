@@ -1,0 +1,110 @@
+"""The train step: micro-batches, accumulation, precision, clipping, non-finite guard."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from rltune.algos import masked_mean
+from rltune.config.schema import TrainConfig
+from rltune.data.records import TrainBatch
+from rltune.learner.microbatch import split_by_tokens
+from rltune.learner.objectives import Objective
+from rltune.learner.optim import build_optimizer, build_schedule
+from rltune.models.logprobs import completion_logprobs
+
+
+
+class NonFiniteError(RuntimeError):
+    """Raised after ``train.max_nonfinite_steps`` consecutive steps with a non-finite gradient."""
+
+
+class LocalLearner:
+    """Learner protocol on one torch module in this process."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        objective: Objective,
+        cfg: TrainConfig,
+        *,
+        temperature: float = 1.0,
+        aux_loss_coef: float = 0.0,
+    ) -> None:
+        self.model = model
+        self.objective = objective
+        self.cfg = cfg
+        self.temperature = temperature
+        self.aux_loss_coef = aux_loss_coef
+        self.optimizer = build_optimizer(model.parameters(), cfg)
+        self.schedule = build_schedule(self.optimizer, cfg)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.version = 0
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns the step's metrics."""
+        self.model.train()
+        tokens = batch.loss_mask.sum()
+        denominator = self.objective.denominator(batch)
+        sums: dict[str, torch.Tensor] = {}
+        total_loss = torch.zeros(())
+        for mb in split_by_tokens(batch, self.cfg.micro_batch_tokens):
+            with self._autocast():
+                out = completion_logprobs(
+                    self.model, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                    temperature=self.temperature, with_entropy=True,
+                    output_router_logits=self.aux_loss_coef > 0,
+                )
+            loss, metrics = self.objective.loss(out, mb, denominator)
+            if out.aux_loss is not None and self.aux_loss_coef > 0:
+                share = len(mb) / len(batch)
+                loss = loss + self.aux_loss_coef * share * out.aux_loss.float()
+                metrics["aux_loss"] = out.aux_loss.detach().float()
+            loss.backward()
+            total_loss += loss.detach().float()
+            if out.entropy is not None:
+                metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
+            weight = mb.loss_mask.sum()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
+        # metrics stay tensors through the micro-batches and become floats once per step
+        result = {k: float(v / tokens.clamp(min=1)) for k, v in sums.items()}
+        result["loss"] = float(total_loss)
+        result.update(self._apply_gradients())
+        result["tokens"] = float(tokens)
+        return result
+
+    def _apply_gradients(self) -> dict[str, float]:
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        lr = self.schedule.get_last_lr()[0]
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} steps in a row had a non-finite gradient norm "
+                    f"({grad_norm}); stopping. Lower `train.lr`, set `train.grad_clip`, or check "
+                    "the rewards and data for extreme values."
+                )
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0, "nonfinite_total": float(self.nonfinite_total)}
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row = 0
+        self.version += 1
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0, "nonfinite_total": float(self.nonfinite_total)}
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.precision == "bf16":
+            device = next(self.model.parameters()).device.type
+            return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}

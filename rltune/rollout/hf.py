@@ -1,0 +1,180 @@
+"""The default Generator: batched sampling with a KV cache on a transformers model.
+
+The decode loop is written here rather than calling ``model.generate`` so that the
+sampled tokens' log-probs come out of the same pass (no second forward) and the loop stays
+free of per-token logits processors; it drives the HF model's own forward and cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from rltune.data.collate import left_pad
+from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.rollout.sampling import sample_next
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids that end a completion: the generation config's EOS ids and the tokenizer's."""
+    ids: set[int] = set()
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("the tokenizer and the model's generation config define no EOS token")
+    return sorted(ids)
+
+
+class HFGenerator:
+    """Generator protocol over a transformers causal LM.
+
+    In the local runtime the learner and the generator share one module, so
+    ``load_weights`` only records the version; given tensors, it copies them in.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        rng: torch.Generator | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.rng = rng if rng is not None else torch.Generator().manual_seed(0)
+        self.version = 0
+        self._eos = torch.tensor(eos_ids(model, tokenizer))
+        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self._eos[0])
+
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        if tensors is not None:
+            self.model.load_state_dict(dict(tensors), strict=False)
+        self.version = version
+
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0
+    ) -> list[Rollout]:
+        """``params.n`` samples of each prompt; samples of prompt ``i`` get group
+        ``group_offset + i`` and are adjacent in the output."""
+        prompt_seqs = [torch.tensor(_ids(p), dtype=torch.long) for p in prompts]
+        ids, mask = left_pad(prompt_seqs, self._pad)
+        if params.n > 1:
+            ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
+        tokens, logprobs, lengths, stopped = self._decode(ids, mask, params)
+        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        width = ids.shape[1]
+        out = []
+        for row in range(ids.shape[0]):
+            group = row // params.n
+            length = int(lengths[row])
+            text = texts[row]
+            if params.stop:
+                text = _cut_at_stop(text, params.stop)
+            out.append(
+                Rollout(
+                    prompt_id=prompts[group].id,
+                    group=group_offset + group,
+                    prompt_ids=ids[row, width - len(prompt_seqs[group]) :],
+                    completion_ids=tokens[row, :length],
+                    completion_logprobs=logprobs[row, :length],
+                    loss_mask=torch.ones(length),
+                    text=text,
+                    finish_reason="stop" if bool(stopped[row]) else "length",
+                    policy_version=self.version,
+                )
+            )
+        return out
+
+    @torch.inference_mode()
+    def _decode(
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampling loop. Returns ``tokens [R, C]`` (pad after the end),
+        ``logprobs [R, C]``, ``lengths [R]`` (EOS included) and ``stopped [R]`` bool."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        ids, mask = ids.to(device), mask.to(device)
+        rows = ids.shape[0]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        cache_arg = {_cache_kwarg(model): cache}
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            use_cache=True, logits_to_keep=1, **cache_arg,
+        )
+        eos = self._eos.to(device)
+        tokens = torch.full((rows, params.max_new_tokens), self._pad, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, params.max_new_tokens), device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        lengths = torch.full((rows,), params.max_new_tokens, dtype=torch.long, device=device)
+        step_mask = torch.ones((rows, 1), dtype=mask.dtype, device=device)
+        next_pos = positions[:, -1:]
+        stop_texts = [""] * rows if params.stop else None
+        for t in range(params.max_new_tokens):
+            tok, lp = sample_next(
+                out.logits[:, -1].float(), temperature=params.temperature,
+                top_k=params.top_k, top_p=params.top_p, generator=self.rng,
+            )
+            tok = tok.masked_fill(done, self._pad)
+            tokens[:, t] = tok
+            logprobs[:, t] = lp.masked_fill(done, 0.0)
+            finished = ~done & torch.isin(tok, eos)
+            if stop_texts is not None:
+                finished |= self._hit_stop(tok, done, stop_texts, params.stop)
+            lengths = torch.where(finished, t + 1, lengths)
+            done = done | finished
+            if bool(done.all()) or t + 1 == params.max_new_tokens:
+                break
+            mask = torch.cat([mask, step_mask], dim=1)
+            next_pos = next_pos + 1
+            out = model(
+                input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                use_cache=True, **cache_arg,
+            )
+        if was_training:
+            model.train()
+        width = int(lengths.max()) if rows else 0
+        return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu(), done.cpu()
+
+    def _hit_stop(
+        self, tok: torch.Tensor, done: torch.Tensor, texts: list[str], stop: tuple[str, ...]
+    ) -> torch.Tensor:
+        """Append each live row's new token text and report rows whose text now holds a
+        stop string. Runs only when stop strings are configured."""
+        pieces = self.tokenizer.batch_decode(tok.unsqueeze(-1).tolist(), skip_special_tokens=True)
+        hit = torch.zeros_like(done)
+        for row, piece in enumerate(pieces):
+            if bool(done[row]):
+                continue
+            texts[row] += piece
+            if any(s in texts[row] for s in stop):
+                hit[row] = True
+        return hit
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """The forward argument that takes the KV cache: ``cache`` in newer transformers,
+    ``past_key_values`` before. The cache object is updated in place either way."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _ids(prompt: Prompt) -> list[int]:
+    if prompt.input_ids is None:
+        raise ValueError(f"prompt {prompt.id!r} has no input_ids: load it through rltune.data")
+    return prompt.input_ids
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """Text up to the first stop string (the stop string itself is kept out)."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
