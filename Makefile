@@ -1,0 +1,30 @@
+# Set-up and the two entry points. `make demo` trains; `make test` runs the default suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU torch pinned for this machine and CI; the package itself accepts a range.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-slow clean
+
+$(BIN)/rltune: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)" -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/rltune
+
+# SFT warm-up of the built-in tiny model, then GRPO; prints held-out accuracy before and after.
+demo: setup
+	$(BIN)/rltune train recipes/arith-sft.yaml
+	$(BIN)/rltune train recipes/arith-grpo.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf runs .pytest_cache
