@@ -118,7 +118,6 @@ class HFGenerator:
         lengths = torch.full((rows,), params.max_new_tokens, dtype=torch.long, device=device)
         step_mask = torch.ones((rows, 1), dtype=mask.dtype, device=device)
         next_pos = positions[:, -1:]
-        stop_texts = [""] * rows if params.stop else None
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(
                 out.logits[:, -1].float(), temperature=params.temperature,
@@ -128,8 +127,8 @@ class HFGenerator:
             tokens[:, t] = tok
             logprobs[:, t] = lp.masked_fill(done, 0.0)
             finished = ~done & torch.isin(tok, eos)
-            if stop_texts is not None:
-                finished |= self._hit_stop(tok, done, stop_texts, params.stop)
+            if params.stop:
+                finished |= self._hit_stop(tokens[:, : t + 1], done, params.stop)
             lengths = torch.where(finished, t + 1, lengths)
             done = done | finished
             if bool(done.all()) or t + 1 == params.max_new_tokens:
@@ -145,19 +144,20 @@ class HFGenerator:
         width = int(lengths.max()) if rows else 0
         return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu(), done.cpu()
 
-    def _hit_stop(
-        self, tok: torch.Tensor, done: torch.Tensor, texts: list[str], stop: tuple[str, ...]
-    ) -> torch.Tensor:
-        """Append each live row's new token text and report rows whose text now holds a
-        stop string. Runs only when stop strings are configured."""
-        pieces = self.tokenizer.batch_decode(tok.unsqueeze(-1).tolist(), skip_special_tokens=True)
+    def _hit_stop(self, tokens: torch.Tensor, done: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
+        """Rows not yet done whose latest tokens (``tokens [R, t]``, sampled so far) decode
+        to text holding a stop string. Runs only when stop strings are configured.
+
+        The last few tokens are decoded together, not one by one: a character split over
+        several byte tokens, or a SentencePiece word-initial space, decodes right only in
+        context. A stop string of ``k`` UTF-8 bytes spans at most ``k`` tokens, and a match
+        ending before the newest token was already reported, so that window suffices."""
+        window = max(len(s.encode("utf-8")) for s in stop) + 4
+        live = (~done).nonzero().flatten().tolist()
+        texts = self.tokenizer.batch_decode(tokens[live, -window:].tolist(), skip_special_tokens=True)
         hit = torch.zeros_like(done)
-        for row, piece in enumerate(pieces):
-            if bool(done[row]):
-                continue
-            texts[row] += piece
-            if any(s in texts[row] for s in stop):
-                hit[row] = True
+        for row, text in zip(live, texts):
+            hit[row] = any(s in text for s in stop)
         return hit
 
 

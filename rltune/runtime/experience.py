@@ -48,8 +48,13 @@ def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, f
         "length/max": float(lengths.max()),
         "length/clipped_frac": float(clipped.mean()),
     }
-    grouped = rewards.view(-1, group_size)
-    spread = torch.nan_to_num(grouped.amax(1) - grouped.amin(1), nan=0.0)
+    # spread over each group's valid rewards only (a missing one is NaN and would make the
+    # whole group's max NaN); a group with under two valid rewards has no baseline, hence
+    # zero advantages, and counts as zero-std
+    grouped, ok = rewards.view(-1, group_size), valid.view(-1, group_size)
+    top = torch.where(ok, grouped, -torch.inf).amax(1)
+    bottom = torch.where(ok, grouped, torch.inf).amin(1)
+    spread = torch.where(ok.sum(1) >= 2, top - bottom, 0.0)
     metrics["groups/zero_std_frac"] = float((spread == 0).float().mean())
     names = {name for r in rollouts for name in r.rewards}
     for name in sorted(names):
