@@ -46,12 +46,13 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
     algorithm = ALGORITHMS[cfg.algo.name]
+    # every input a user can get wrong is checked before the model's weights are loaded
+    reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
     model_dir = resolve_model(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not algorithm.online)
     eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
-    reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
+    model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     aux_coef = cfg.model.router_aux_loss_coef
     if aux_coef is None:
         aux_coef = router_aux_loss_coef(model)

@@ -79,7 +79,10 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     optimizer_from_state(learner.optimizer, tensors["optimizer"], meta["optimizer"])
     scheduler_from_state(learner.schedule, meta["scheduler"])
     rng_from_state(tensors["rng"], meta["rng"], run.state.generators)
-    run.sampler.load_state_dict(meta["sampler"])
+    try:
+        run.sampler.load_state_dict(meta["sampler"])
+    except ValueError as err:  # another seed or dataset: the user's to fix, shown without a traceback
+        raise CheckpointError(f"{path}: {err}") from None
     learner.version = meta["learner"]["version"]
     learner.nonfinite_in_a_row = meta["learner"]["nonfinite_in_a_row"]
     learner.nonfinite_total = meta["learner"]["nonfinite_total"]

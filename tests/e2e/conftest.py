@@ -49,3 +49,29 @@ def _tiny_grpo_config(tmp_path: Path, reward_file: Path, *overrides: str):
         "checkpoint.final=false",
         *overrides,
     ])
+
+
+@pytest.fixture(scope="module")
+def tiny_grpo_config_at():
+    """``make(root, *overrides)``: the same config as ``tiny_grpo_config`` with its reward
+    file and run directories under ``root``; usable from module-scoped fixtures, so several
+    tests can share one run."""
+
+    def make(root: Path, *overrides: str):
+        root.mkdir(parents=True, exist_ok=True)
+        reward_file = root / "my_rewards.py"
+        reward_file.write_text(DIGIT_REWARD)
+        return _tiny_grpo_config(root, reward_file, *overrides)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def keep_torch_threads():
+    """Put torch's intra-op thread count back after a module whose runs set
+    ``train.threads`` (``build_run`` sets it for the whole process)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
