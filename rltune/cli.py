@@ -27,6 +27,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from rltune.runtime.local import run_local
 
     cfg = load_config(args.config, args.overrides)
+    _quiet_transformers()
     run = run_local(cfg, config_dir=config_base_dir(args.config))
     console.print(f"run directory: {run.run_dir}")
     _print_eval_summary(run, console)
@@ -44,7 +45,7 @@ def _print_eval_summary(run, console: Console) -> None:
     if len(evals) < 1:
         return
     first, last = evals[0], evals[-1]
-    for key in sorted(k for k in last if k.startswith("eval/reward/") and k != "eval/reward/std"):
+    for key in sorted(k for k in last if k.startswith("eval/reward/") and k not in _NOT_PER_FN):
         before, after = first.get(key), last.get(key)
         if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
             continue
@@ -52,6 +53,16 @@ def _print_eval_summary(run, console: Console) -> None:
             f"held-out {key[len('eval/reward/'):]}: step {first['step']} {before:.3f} -> "
             f"step {last['step']} {after:.3f} ({after - before:+.3f})"
         )
+
+
+_NOT_PER_FN = {"eval/reward/mean", "eval/reward/std", "eval/reward/errors"}
+
+
+def _quiet_transformers() -> None:
+    """The run has its own progress bar; transformers' per-load bars would interleave with it."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -149,8 +149,12 @@ def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
         temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size,
         max_prompts=cfg.eval.max_prompts, stop=cfg.rollout.stop,
     )
-    shown = "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/reward"))
-    bar.print(f"step {run.step}  {shown}")
+    skip = {"eval/reward/std", "eval/reward/errors"}
+    shown = "  ".join(
+        f"{k[len('eval/reward/'):]} {v:.3f}" for k, v in metrics.items()
+        if k.startswith("eval/reward/") and k not in skip
+    )
+    bar.print(f"eval at step {run.step}: {shown}  (errors {metrics['eval/reward/errors']:.0f})")
     return metrics
 
 
