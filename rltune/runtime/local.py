@@ -78,6 +78,10 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
         tokenizer=tokenizer,
         shared_weights=True,
         state=LocalState(generators={"sampling": rng}),
+        data_warnings=[
+            f"data: skipped {part.skipped} bad rows of {part.source}; first: {part.skip_examples[0]}"
+            for part in (train_set, eval_set) if part is not None and part.skipped
+        ],
     )
     if algorithm.requires_reference(cfg.algo.kl_coef):
         reference = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)

@@ -58,6 +58,8 @@ class Run:
     tokenizer: Any
     shared_weights: bool
     """The generator runs on the learner's own module (no copy to publish)."""
+    data_warnings: list[str] = field(default_factory=list)
+    """Bad rows skipped under ``data.on_bad_row: skip``, one line per data source."""
     reference_logprobs: Any = None
     """``(TrainBatch) -> [B, C]`` log-probs under the frozen reference, when one is loaded."""
     state: Any = None
@@ -75,6 +77,8 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
     metrics_log = JsonlWriter(run.run_dir / "metrics.jsonl", resume_after_step=run.step if resumed else None)
     samples_log = JsonlWriter(run.run_dir / "samples.jsonl", resume_after_step=run.step if resumed else None)
     with ConsoleProgress(cfg.train.steps, start=run.step, enabled=cfg.log.console) as bar:
+        for warning in run.data_warnings:
+            bar.print(warning)
         if run.step == 0 and run.eval_prompts:
             _log_eval(run, bar, metrics_log)
         last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)

@@ -155,7 +155,8 @@ def test_empty_prompt_names_the_file_and_row(capsys, config_file, tmp_path, no_m
 def test_bad_rows_skipped_when_asked(capsys, config_file, tmp_path):
     rows = GOOD_ROWS[:1] + [{"prompt": ""}] + GOOD_ROWS[1:2] + [{"question": "5+5="}] + GOOD_ROWS[2:]
     data = _write_jsonl(tmp_path / "prompts.jsonl", rows)
-    _succeeds(capsys, ["train", str(config_file()), f"data.train={data}", "data.on_bad_row=skip"])
+    err = _succeeds(capsys, ["train", str(config_file()), f"data.train={data}", "data.on_bad_row=skip"])
+    assert f"data: skipped 2 bad rows of {data}; first: {data}: row 2:" in " ".join(err.split())
     samples = _jsonl(tmp_path / "runs" / "cli-run" / "samples.jsonl")
     assert {s["prompt"] for s in samples} <= {r["prompt"] for r in GOOD_ROWS}
     assert len(samples) == 2 * 2 * 2  # steps x prompts x group
