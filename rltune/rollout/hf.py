@@ -2,7 +2,10 @@
 
 The decode loop is written here rather than calling ``model.generate`` so that the
 sampled tokens' log-probs come out of the same pass (no second forward) and the loop stays
-free of per-token logits processors; it drives the HF model's own forward and cache.
+free of per-token logits processors. Its logits come from one of two sources with the same
+``prefill`` / ``step`` interface: the HF model's own forward and cache (:class:`HFSteps`),
+or, for Llama-family models, :class:`~rltune.rollout.fastpath.LeanDecoder`, which runs the
+same arithmetic on the same tensors without transformers' per-call overhead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rltune.data.collate import left_pad
 from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
 from rltune.rollout.sampling import sample_next
 
 
@@ -45,8 +49,12 @@ class HFGenerator:
         tokenizer: PreTrainedTokenizerBase,
         *,
         rng: torch.Generator | None = None,
+        fastpath: bool = True,
     ) -> None:
+        """``fastpath``: decode with :class:`LeanDecoder` when the model supports it
+        (:func:`supports_fastpath`) and has no forward hooks; off, always the HF forward."""
         self.model = model
+        self.fastpath = fastpath and supports_fastpath(model)
         self.tokenizer = tokenizer
         self.rng = rng if rng is not None else torch.Generator().manual_seed(0)
         self.version = 0
@@ -104,23 +112,17 @@ class HFGenerator:
         device = next(model.parameters()).device
         ids, mask = ids.to(device), mask.to(device)
         rows = ids.shape[0]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        cache_arg = {_cache_kwarg(model): cache}
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions,
-            use_cache=True, logits_to_keep=1, **cache_arg,
-        )
+        lean = self.fastpath and not has_hooks(model)
+        source = (LeanDecoder if lean else HFSteps)(model, max_new_tokens=params.max_new_tokens)
+        logits = source.prefill(ids, mask)
         eos = self._eos.to(device)
         tokens = torch.full((rows, params.max_new_tokens), self._pad, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, params.max_new_tokens), device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), params.max_new_tokens, dtype=torch.long, device=device)
-        step_mask = torch.ones((rows, 1), dtype=mask.dtype, device=device)
-        next_pos = positions[:, -1:]
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(
-                out.logits[:, -1].float(), temperature=params.temperature,
+                logits.float(), temperature=params.temperature,
                 top_k=params.top_k, top_p=params.top_p, generator=self.rng,
             )
             tok = tok.masked_fill(done, self._pad)
@@ -133,12 +135,7 @@ class HFGenerator:
             done = done | finished
             if bool(done.all()) or t + 1 == params.max_new_tokens:
                 break
-            mask = torch.cat([mask, step_mask], dim=1)
-            next_pos = next_pos + 1
-            out = model(
-                input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
-                use_cache=True, **cache_arg,
-            )
+            logits = source.step(tok)
         if was_training:
             model.train()
         width = int(lengths.max()) if rows else 0
@@ -159,6 +156,39 @@ class HFGenerator:
         for row, text in zip(live, texts):
             hit[row] = any(s in text for s in stop)
         return hit
+
+
+class HFSteps:
+    """Next-token logits from the HF forward with its ``DynamicCache``; the interface of
+    :class:`~rltune.rollout.fastpath.LeanDecoder`: ``prefill(ids [R, P], mask [R, P])``
+    then ``step(tokens [R])``, each returning the next position's logits ``[R, V]``.
+    Positions count real tokens only (``cumsum(mask) - 1``), so left padding shifts nothing."""
+
+    def __init__(self, model: PreTrainedModel, *, max_new_tokens: int) -> None:
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.cache = DynamicCache()
+        self.cache_arg = {_cache_kwarg(model): self.cache}
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.mask = mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.next_pos = positions[:, -1:]
+        self.step_mask = torch.ones((ids.shape[0], 1), dtype=mask.dtype, device=mask.device)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            use_cache=True, logits_to_keep=1, **self.cache_arg,
+        )
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.step_mask], dim=1)
+        self.next_pos = self.next_pos + 1
+        out = self.model(
+            input_ids=tokens.unsqueeze(-1), attention_mask=self.mask, position_ids=self.next_pos,
+            use_cache=True, **self.cache_arg,
+        )
+        return out.logits[:, -1]
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:

@@ -1,0 +1,241 @@
+"""A lean incremental decoder for the Llama-family layout, on the model's own tensors.
+
+For small models the per-token cost of a transformers forward is mostly Python around
+the matmuls: module-call wrappers, output records, config look-ups and mask building.
+:class:`LeanDecoder` runs the same arithmetic as the HF forward of ``Qwen2ForCausalLM``,
+``LlamaForCausalLM`` and ``MistralForCausalLM``::
+
+    h = embed(ids)
+    per layer:  a = RMSNorm(h);  q, k, v = a Wq + bq, a Wk + bk, a Wv + bv
+                q, k = rope(q), rope(k)               (rotate-half, HF's cos/sin)
+                h = h + softmax(q kᵀ · scale + mask) v Wo (+ bo)   (grouped-query)
+                m = RMSNorm(h);  h = h + (silu(m Wg) ⊙ m Wu) Wd
+    logits = RMSNorm(h) W_lm
+
+reading the parameter tensors straight from the model (so optimizer updates and
+``load_state_dict`` are seen without a copy), with one preallocated KV cache tensor per
+layer ``[R, kv_heads, P + max_new_tokens - 1, head_dim]`` written in place (the last
+sampled token is never fed back). Rows are left
+padded: padded key positions are masked, and positions count real tokens only
+(``cumsum(mask) - 1``), as the generator's HF path passes them.
+
+:func:`supports_fastpath` admits a model only when every feature of its config is one
+this file implements; anything else (rope scaling, sliding windows, other activations,
+adapters that replace the projection modules, registered hooks) goes through HF.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM
+
+_CLASSES = (Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM)
+_DTYPES = (torch.float32, torch.bfloat16)
+_ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def supports_fastpath(model: nn.Module) -> bool:
+    """Whether :class:`LeanDecoder` computes exactly what ``model``'s forward computes.
+
+    True only for an (unwrapped) Qwen2 / Llama / Mistral causal LM in float32 or bfloat16
+    with SiLU MLPs, default rope, full attention in every layer (no sliding window), no MLP
+    bias, ``pretraining_tp`` 1, and plain ``nn.Linear`` projections (an adapter that swaps
+    them, e.g. LoRA, is not seen by the lean path). Hooks are checked per call, see
+    :func:`has_hooks`.
+    """
+    if not isinstance(model, _CLASSES):
+        return False
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None) or ()
+    return (
+        config.hidden_act == "silu"
+        and rope.get("rope_type") == "default"
+        and getattr(config, "sliding_window", None) is None
+        and all(kind == "full_attention" for kind in layer_types)
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "pretraining_tp", 1) == 1
+        and model.get_input_embeddings().weight.dtype in _DTYPES
+        and _plain_modules(model)
+    )
+
+
+def has_hooks(model: nn.Module) -> bool:
+    """Whether any forward hook (global or on a submodule of ``model``) is registered:
+    the lean path calls no module, so it would skip them."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _plain_modules(model: PreTrainedModel) -> bool:
+    """Every projection a plain ``nn.Linear``, embeddings a plain ``nn.Embedding``, and
+    the attention bias as the config states it."""
+    inner = model.model
+    if type(inner.embed_tokens) is not nn.Embedding or type(model.lm_head) is not nn.Linear:
+        return False
+    if model.lm_head.bias is not None:
+        return False
+    # Qwen2 always has q/k/v bias and no o bias; Llama and Mistral follow `attention_bias`.
+    qkv_bias = isinstance(model, Qwen2ForCausalLM) or bool(getattr(model.config, "attention_bias", False))
+    o_bias = not isinstance(model, Qwen2ForCausalLM) and qkv_bias
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [getattr(attn, n) for n in _ATTN_LINEARS] + [getattr(mlp, n) for n in _MLP_LINEARS]
+        if any(type(lin) is not nn.Linear for lin in linears):
+            return False
+        biases = [lin.bias is not None for lin in linears]
+        if biases != [qkv_bias] * 3 + [o_bias] + [False] * 3:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parameter tensors (the model's own, not copies)."""
+
+    norm1: torch.Tensor
+    eps1: float
+    q: tuple[torch.Tensor, torch.Tensor | None]
+    k: tuple[torch.Tensor, torch.Tensor | None]
+    v: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    norm2: torch.Tensor
+    eps2: float
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def _layer(layer: nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        norm1=layer.input_layernorm.weight, eps1=layer.input_layernorm.variance_epsilon,
+        q=(attn.q_proj.weight, attn.q_proj.bias), k=(attn.k_proj.weight, attn.k_proj.bias),
+        v=(attn.v_proj.weight, attn.v_proj.bias), o=(attn.o_proj.weight, attn.o_proj.bias),
+        norm2=layer.post_attention_layernorm.weight, eps2=layer.post_attention_layernorm.variance_epsilon,
+        gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · x / sqrt(mean(x²) + eps)``, the mean taken in float32 as HF's RMSNorm does."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form: ``x cos + [-x₂, x₁] sin``. ``x [R, heads, T, D]``,
+    ``cos, sin [R, 1, T, D]``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LeanDecoder:
+    """Prefill then one-token steps over ``model``'s weights; see the module docstring.
+
+    ``prefill(ids [R, P], mask [R, P]) -> logits [R, V]`` (last position), then up to
+    ``max_new_tokens - 1`` calls of ``step(tokens [R]) -> logits [R, V]``. Logits are in
+    the model's dtype. Call under ``torch.inference_mode()``.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, max_new_tokens: int) -> None:
+        if not supports_fastpath(model):
+            raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.layers = [_layer(layer) for layer in inner.layers]
+        self.embed = inner.embed_tokens.weight
+        self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.lm_head = model.lm_head.weight
+        self.head_dim = attn.head_dim
+        self.groups = attn.num_key_value_groups
+        self.scale = attn.scaling
+        self._t = 0
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run the prompt, fill the caches; logits of the last position ``[R, V]``."""
+        rows, width = ids.shape
+        steps = self.max_new_tokens - 1
+        total = width + steps
+        x = F.embedding(ids, self.embed)
+        kv_heads = self.layers[0].k[0].shape[0] // self.head_dim
+        shape = (rows, kv_heads, total, self.head_dim)
+        self.keys = [x.new_empty(shape) for _ in self.layers]
+        self.values = [x.new_empty(shape) for _ in self.layers]
+        valid = mask.bool()
+        # Key validity for the whole run: prompt padding masked, every new token kept.
+        self.valid = torch.cat([valid, valid.new_ones(rows, steps)], dim=1)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        # cos/sin of every later step's position too, in one call: all elementwise.
+        ahead = positions[:, -1:] + torch.arange(1, steps + 1, device=ids.device)
+        cos, sin = self.model.model.rotary_emb(x, torch.cat([positions, ahead], dim=1))
+        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        # A padded query sees itself only: a fully masked row would give NaN, which would
+        # then reach real rows through 0 · NaN in the attention-weighted sum of values.
+        attend = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)
+        self._t = width
+        h = self._forward(x, attend.unsqueeze(1), 0, width)
+        return F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row ``tokens [R]``; logits of the next ``[R, V]``."""
+        t = self._t
+        if t >= self.valid.shape[1]:
+            raise ValueError(f"LeanDecoder was sized for {self.max_new_tokens} new tokens, so "
+                f"{self.max_new_tokens - 1} steps after the prefill; step called past that")
+        x = F.embedding(tokens.unsqueeze(-1), self.embed)
+        h = self._forward(x, self.valid[:, None, None, : t + 1], t, t + 1)
+        self._t = t + 1
+        return F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
+
+    def _forward(self, h: torch.Tensor, attend: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Positions ``start:end`` through every layer; ``attend [R, 1, T|1, end]`` bool."""
+        cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            a = rms_norm(h, layer.norm1, layer.eps1)
+            h = h + self._attention(a, layer, keys, values, cos, sin, attend, start, end)
+            m = rms_norm(h, layer.norm2, layer.eps2)
+            h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
+        return h
+
+    def _attention(
+        self, a: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, start: int, end: int,
+    ) -> torch.Tensor:
+        """Grouped-query attention of ``a [R, T, H]`` over cache slots ``0:end``, after
+        writing this call's keys and values into slots ``start:end``."""
+        rows, length, _ = a.shape
+        q = F.linear(a, *layer.q).view(rows, length, -1, self.head_dim).transpose(1, 2)
+        k = F.linear(a, *layer.k).view(rows, length, -1, self.head_dim).transpose(1, 2)
+        v = F.linear(a, *layer.v).view(rows, length, -1, self.head_dim).transpose(1, 2)
+        keys[:, :, start:end] = rotate(k, cos, sin)
+        values[:, :, start:end] = v
+        q = rotate(q, cos, sin)
+        k_all, v_all = keys[:, :, :end], values[:, :, :end]
+        if length == 1:
+            # One query: each kv head's group of query heads becomes its query rows, so no
+            # key/value is repeated (what HF's SDPA path does for a decode step).
+            out = F.scaled_dot_product_attention(
+                q.reshape(rows, -1, self.groups, self.head_dim), k_all, v_all,
+                attn_mask=attend, scale=self.scale,
+            )
+            out = out.reshape(rows, 1, -1)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k_all, v_all, attn_mask=attend, scale=self.scale, enable_gqa=self.groups > 1,
+            )
+            out = out.transpose(1, 2).reshape(rows, length, -1)
+        return F.linear(out, *layer.o)

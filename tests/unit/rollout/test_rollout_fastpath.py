@@ -1,0 +1,157 @@
+"""LeanDecoder against the HF forward, the configs it must refuse, and HFGenerator with
+the lean path on and off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from rltune.data.records import Prompt, SamplingParams
+from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
+from rltune.rollout.hf import HFGenerator
+
+SMALL = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+)
+CONFIGS = {
+    "qwen2": lambda **kw: Qwen2Config(**SMALL, **kw),  # q/k/v bias
+    "llama": lambda **kw: LlamaConfig(**SMALL, **kw),
+    "llama-bias": lambda **kw: LlamaConfig(**SMALL, attention_bias=True, **kw),
+    "mistral": lambda **kw: MistralConfig(**SMALL, sliding_window=None, **kw),
+}
+STEPS = 6
+
+
+def build(config: PretrainedConfig, *, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # biases start at 0: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def padded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 7 prompt tokens with 0, 3 and 6 positions of left padding."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 64, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def hf_last_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Last-position logits of a full forward (no cache) of the whole padded sequence."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_prefill_and_steps_equal_the_hf_forward(arch: str) -> None:
+    model = build(CONFIGS[arch]())
+    assert supports_fastpath(model)
+    ids, mask = padded_batch(seed=1)
+    new = torch.randint(4, 64, (3, STEPS), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        decoder = LeanDecoder(model, max_new_tokens=STEPS + 1)
+        got = [decoder.prefill(ids, mask)] + [decoder.step(new[:, t]) for t in range(STEPS)]
+        full_ids = torch.cat([ids, new], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
+        want = [hf_last_logits(model, full_ids[:, :n], full_mask[:, :n]) for n in range(7, 8 + STEPS)]
+    assert want[0].abs().max() > 0.1  # logits that carry signal, not all ~0
+    for t, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"position {t}: {m}")
+
+
+def test_decoder_reads_the_live_parameters() -> None:
+    """An in-place weight update (what the optimizer does) is seen without rebuilding."""
+    model = build(CONFIGS["qwen2"]())
+    ids, mask = padded_batch(seed=3)
+    with torch.inference_mode():
+        decoder = LeanDecoder(model, max_new_tokens=1)
+        model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
+        got = decoder.prefill(ids, mask)
+        torch.testing.assert_close(got, hf_last_logits(model, ids, mask), atol=1e-5, rtol=0)
+
+
+def test_step_past_the_size_is_an_error() -> None:
+    model = build(CONFIGS["llama"]())
+    ids, mask = padded_batch(seed=4)
+    with torch.inference_mode():
+        decoder = LeanDecoder(model, max_new_tokens=1)
+        decoder.prefill(ids, mask)
+        with pytest.raises(ValueError, match="sized for 1 new tokens"):
+            decoder.step(ids[:, 0])
+
+
+UNSUPPORTED: dict[str, Any] = {
+    "rope-linear": lambda: LlamaConfig(**SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "rope-yarn": lambda: Qwen2Config(**SMALL, rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+    "qwen2-sliding": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    "mistral-sliding": lambda: MistralConfig(**SMALL, sliding_window=16),
+    "gelu": lambda: LlamaConfig(**SMALL, hidden_act="gelu"),
+    "mlp-bias": lambda: LlamaConfig(**SMALL, mlp_bias=True),
+    "gpt2": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_configs_are_refused(name: str) -> None:
+    model = build(UNSUPPORTED[name]())
+    assert not supports_fastpath(model)
+    with pytest.raises(ValueError, match="not supported by LeanDecoder"):
+        LeanDecoder(model, max_new_tokens=1)
+
+
+def test_float16_and_replaced_projections_are_refused() -> None:
+    assert not supports_fastpath(build(CONFIGS["llama"]()).to(torch.float16))
+    model = build(CONFIGS["llama"]())
+    # An adapter that wraps a projection (as LoRA does) must not be bypassed.
+    model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj)
+    assert not supports_fastpath(model)
+
+
+def test_hooks_are_detected() -> None:
+    model = build(CONFIGS["qwen2"]())
+    assert not has_hooks(model)
+    handle = model.lm_head.register_forward_hook(lambda *_: None)
+    assert has_hooks(model)
+    handle.remove()
+    assert not has_hooks(model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[Prompt]:
+    texts = ("What is 2+3?", "Hi", "A longer prompt, with several words in it.")
+    return [Prompt(id=f"p{i}", text=t, input_ids=tokenizer.encode(t)) for i, t in enumerate(texts)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_generator_fastpath_on_and_off_give_the_same_rollouts(
+    tiny_model, tokenizer, prompts, temperature: float
+) -> None:
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, n=2)
+    runs = {}
+    for fastpath in (True, False):
+        gen = HFGenerator(tiny_model, tokenizer, rng=torch.Generator().manual_seed(5), fastpath=fastpath)
+        assert gen.fastpath is fastpath  # the builtin tiny model is supported
+        runs[fastpath] = gen.generate(prompts, params)
+    for lean, hf in zip(runs[True], runs[False]):
+        assert lean.completion_ids.tolist() == hf.completion_ids.tolist()
+        assert lean.finish_reason == hf.finish_reason
+        torch.testing.assert_close(lean.completion_logprobs, hf.completion_logprobs, atol=1e-5, rtol=0)
+    tokens = [r.completion_ids.tolist() for r in runs[True]]
+    assert len({tuple(t) for t in tokens}) > 1  # rows differ: the comparison is not vacuous
