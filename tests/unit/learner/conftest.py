@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -11,9 +9,9 @@ from rltune.models.load import load_model, resolve_model
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+def tiny_model(tiny_path: str) -> torch.nn.Module:
     """``builtin:tiny`` in fp32. Tests deep-copy it before training a copy."""
-    return load_model(resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin"))))
+    return load_model(tiny_path)
 
 
 @pytest.fixture(scope="session")
@@ -25,10 +23,5 @@ def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a busy machine idle-spinning
-    worker threads make each small op milliseconds slower; restored after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _single_thread(one_thread: None) -> None:
+    """Every learner test runs with one intra-op thread."""

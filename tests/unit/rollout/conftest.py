@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rltune.models.load import load_model, load_tokenizer, resolve_model
-
-
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
+from rltune.models.load import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +21,5 @@ def tokenizer(tiny_path: str) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a busy machine idle-spinning
-    worker threads make each small op milliseconds slower; restored after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _single_thread(one_thread: None) -> None:
+    """Every rollout test runs with one intra-op thread."""
