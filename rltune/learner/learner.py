@@ -79,26 +79,32 @@ class LocalLearner:
         return result
 
     def _apply_gradients(self) -> dict[str, float]:
+        """Clip and step, or skip the step when the gradient norm is not finite."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         lr = self.schedule.get_last_lr()[0]
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.schedule.step()
+            self.nonfinite_in_a_row = 0
+            self.version += 1
+        else:
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
-            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
-                raise NonFiniteError(
-                    f"{self.nonfinite_in_a_row} steps in a row had a non-finite gradient norm "
-                    f"({grad_norm}); stopping. Lower `train.lr`, set `train.grad_clip`, or check "
-                    "the rewards and data for extreme values."
-                )
-            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0, "nonfinite_total": float(self.nonfinite_total)}
-        self.optimizer.step()
-        self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_in_a_row = 0
-        self.version += 1
-        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0, "nonfinite_total": float(self.nonfinite_total)}
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite gradient norm "
+                f"({grad_norm}); stopping. Lower `train.lr`, set `train.grad_clip`, or check "
+                "the rewards and data for extreme values."
+            )
+        return {
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": float(not finite),
+            "nonfinite_total": float(self.nonfinite_total),
+        }
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.precision == "bf16":

@@ -92,9 +92,10 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
             bar.update(run.step, metrics)
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
                 save(run)
-        if run.eval_prompts and run.step == cfg.train.steps and not resumed_at_end(run, resumed):
+        ran = bool(run.history)  # a run resumed from its final checkpoint has nothing left to do
+        if ran and run.eval_prompts and run.step == cfg.train.steps:
             _log_eval(run, bar, metrics_log)
-    if not (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0):
+    if ran and not (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0):
         save(run)
     metrics_log.close()
     samples_log.close()
@@ -138,11 +139,6 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, float]:
     metrics["policy_version"] = float(run.learner.version)
     metrics["samples_per_s"] = len(batch) / metrics["time/step"]
     return metrics
-
-
-def resumed_at_end(run: Run, resumed: bool) -> bool:
-    """A run resumed from its final checkpoint has nothing left to do, eval included."""
-    return resumed and not run.history
 
 
 def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
