@@ -1,4 +1,4 @@
-"""Per-token KL estimators.
+"""Per-token KL estimators, and the adaptive KL coefficient.
 
 Schulman, "Approximating KL divergence" (2020): estimators of ``KL(pi || ref)`` from
 tokens sampled from ``pi``, with ``log_ratio = log pi(x) - log ref(x)``:
@@ -57,3 +57,42 @@ def kl_penalty(
             f"{tuple(ref_logprobs.shape)} differ in shape"
         )
     return KL_ESTIMATORS[kind](logprobs - ref_logprobs)
+
+
+def adaptive_kl_coef(
+    coef: float,
+    observed_kl: float | torch.Tensor,
+    *,
+    target: float,
+    horizon: float,
+    n_steps: int,
+) -> float:
+    """The next KL coefficient of the adaptive controller (Ziegler et al. 2019).
+
+    A proportional controller that steers the observed KL to ``target``::
+
+        err      = clip(observed_kl / target - 1, -0.2, 0.2)
+        next_coef = coef * (1 + err * n_steps / horizon)
+
+    ``n_steps`` is the number of samples (or steps, in the units of ``horizon``) since the
+    last update; ``horizon`` sets how fast the coefficient moves (the paper's 10,000).
+    The clip bounds a single update to a factor ``1 +- 0.2 * n_steps / horizon``.
+    Deviation: the result is floored at 0, since for ``n_steps > 5 * horizon`` that
+    factor would turn the coefficient negative (a reward for drifting away).
+    ``observed_kl`` may be a 0-dim tensor; it is read once (the coefficient is a host-side
+    decision). Returns a float.
+    """
+    caller = "adaptive_kl_coef"
+    kl = float(observed_kl)
+    if not coef >= 0:
+        raise ValueError(f"{caller}: coef={coef} must be >= 0")
+    if not target > 0:
+        raise ValueError(f"{caller}: target={target} must be > 0")
+    if not horizon > 0:
+        raise ValueError(f"{caller}: horizon={horizon} must be > 0")
+    if n_steps < 0:
+        raise ValueError(f"{caller}: n_steps={n_steps} must be >= 0")
+    if kl != kl or kl in (float("inf"), float("-inf")):
+        raise ValueError(f"{caller}: observed_kl={kl} is not finite")
+    err = min(max(kl / target - 1.0, -0.2), 0.2)
+    return max(0.0, coef * (1.0 + err * n_steps / horizon))

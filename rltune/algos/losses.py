@@ -1,4 +1,5 @@
-"""Policy losses and their aggregation over tokens and sequences.
+"""Policy losses (PPO/GRPO clipped surrogate, GSPO, SFT) and their aggregation over
+tokens and sequences.
 
 Every loss here takes per-token tensors ``[B, T]`` and a mask ``[B, T]`` (1 on tokens the
 policy produced) and returns ``(loss, metrics)``: a 0-dim loss with gradient and a dict
@@ -30,10 +31,12 @@ gradient is 0."""
 
 @dataclass(frozen=True)
 class _Aggregation:
-    """``loss = numerator(per_token, mask) / (denominator or count(mask))``."""
+    """``loss = numerator(per_token, mask) / (denominator or count(mask))``, with
+    ``count(mask) * max_len`` instead when ``per_max_len`` is set."""
 
     numerator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     count: Callable[[torch.Tensor], torch.Tensor]
+    per_max_len: bool = False
 
 
 def _token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,6 +67,11 @@ AGGREGATIONS: dict[str, _Aggregation] = {
     "seq-mean-token-mean": _Aggregation(_sum_of_seq_token_means, _num_nonempty_seqs),
     # every sequence weighs the same, each token counts fully (no length normalisation)
     "seq-mean-token-sum": _Aggregation(_sum_of_seq_token_sums, _num_nonempty_seqs),
+    # Dr. GRPO (Liu et al. 2025): token sum over (sequences x a constant max_len), so that
+    # neither a sequence's own length nor the batch's lengths scale its tokens' gradient
+    "seq-mean-token-sum-norm": _Aggregation(
+        _sum_of_seq_token_sums, _num_nonempty_seqs, per_max_len=True
+    ),
 }
 
 
@@ -75,15 +83,39 @@ def _lookup_aggregation(aggregation: str, caller: str) -> _Aggregation:
     return AGGREGATIONS[aggregation]
 
 
-def loss_denominator(mask: torch.Tensor, *, aggregation: str = "token-mean") -> torch.Tensor:
+def _check_max_len(max_len: int | None, caller: str) -> None:
+    if max_len is not None and max_len < 1:
+        raise ValueError(f"{caller}: max_len={max_len} must be >= 1 (or None)")
+
+
+def _count(mask: torch.Tensor, aggregation: str, max_len: int | None, caller: str) -> torch.Tensor:
+    """The normaliser of ``aggregation`` for ``mask`` (already a floating tensor)."""
+    agg = _lookup_aggregation(aggregation, caller)
+    _check_max_len(max_len, caller)
+    if not agg.per_max_len:
+        return agg.count(mask)
+    if max_len is None:
+        raise ValueError(
+            f"{caller}: aggregation={aggregation!r} divides by (number of sequences x "
+            f"max_len) and needs max_len, the constant completion length (for example the "
+            f"generation limit), or an explicit denominator; got max_len=None"
+        )
+    return agg.count(mask) * max_len
+
+
+def loss_denominator(
+    mask: torch.Tensor, *, aggregation: str = "token-mean", max_len: int | None = None
+) -> torch.Tensor:
     """The normaliser ``aggregation`` divides by for ``mask`` ``[B, T]`` (0-dim tensor).
 
     Token count for "token-mean"; number of sequences with at least one masked token for
-    the two "seq-mean-*" modes. Compute it on the full batch and pass it as
-    ``denominator`` to every micro-batch call.
+    the "seq-mean-token-mean" and "seq-mean-token-sum" modes; that number times
+    ``max_len`` for "seq-mean-token-sum-norm" (which requires ``max_len``; the other
+    modes ignore it). Compute it on the full batch and pass it as ``denominator`` to
+    every micro-batch call.
     """
     m = mask if mask.is_floating_point() else mask.to(torch.float32)
-    return _lookup_aggregation(aggregation, "loss_denominator").count(m)
+    return _count(m, aggregation, max_len, "loss_denominator")
 
 
 def aggregate_loss(
@@ -92,24 +124,31 @@ def aggregate_loss(
     *,
     aggregation: str = "token-mean",
     denominator: float | torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` the way ``aggregation`` says (see
     ``AGGREGATIONS``), divided by ``denominator`` (module docstring). For extra loss terms,
-    such as a KL penalty, that must weigh tokens exactly as the policy loss does."""
+    such as a KL penalty, that must weigh tokens exactly as the policy loss does.
+    ``max_len`` is the constant length of "seq-mean-token-sum-norm" (needed there when
+    ``denominator`` is None)."""
     m = mask if mask.is_floating_point() else mask.to(per_token.dtype)
-    return _aggregate(per_token, m, _lookup_aggregation(aggregation, "aggregate_loss"), denominator, "aggregate_loss")
+    return _aggregate(per_token, m, aggregation, denominator, "aggregate_loss", max_len=max_len)
 
 
 def _aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
-    agg: _Aggregation,
+    aggregation: str,
     denominator: float | torch.Tensor | None,
     caller: str,
+    *,
+    max_len: int | None = None,
 ) -> torch.Tensor:
+    agg = _lookup_aggregation(aggregation, caller)
     if denominator is None:
-        den = agg.count(mask)
+        den = _count(mask, aggregation, max_len, caller)
     else:
+        _check_max_len(max_len, caller)
         if not isinstance(denominator, torch.Tensor) and denominator < 0:
             raise ValueError(f"{caller}: denominator={denominator} must be >= 0")
         den = torch.as_tensor(denominator, dtype=per_token.dtype, device=per_token.device)
@@ -157,6 +196,7 @@ def ppo_policy_loss(
     aggregation: str = "token-mean",
     is_weights: torch.Tensor | None = None,
     denominator: float | torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss (PPO, Schulman et al. 2017), as used by GRPO.
 
@@ -170,7 +210,8 @@ def ppo_policy_loss(
     ``denominator`` (module docstring). Separate ``clip_low``/``clip_high`` give DAPO's
     clip-higher. ``logprobs``, ``old_logprobs``, ``mask`` (and ``is_weights``) are
     ``[B, T]``; ``advantages`` is ``[B, T]`` or ``[B]`` (one value per sequence).
-    ``log(r)`` is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``.
+    ``log(r)`` is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``. ``max_len`` is the
+    constant length of the "seq-mean-token-sum-norm" aggregation (Dr. GRPO).
 
     Metrics (detached, masked means over this call's tokens): ``clip_frac`` (share of
     tokens where the clipped branch was taken), ``dual_clip_frac``, ``approx_kl`` (k3
@@ -182,7 +223,7 @@ def ppo_policy_loss(
     _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"{caller}: dual_clip={dual_clip} must be > 1 (or None to disable)")
-    agg = _lookup_aggregation(aggregation, caller)
+    _lookup_aggregation(aggregation, caller)
     m = mask.to(logprobs.dtype)
     keep = m != 0
     if advantages.dim() == 1:
@@ -198,7 +239,7 @@ def ppo_policy_loss(
     if is_weights is not None:
         _check_shapes(caller, logprobs=logprobs, is_weights=is_weights)
         per_token = per_token * is_weights.detach()
-    loss = _aggregate(per_token, m, agg, denominator, caller)
+    loss = _aggregate(per_token, m, aggregation, denominator, caller, max_len=max_len)
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean(is_clipped.to(m.dtype), m),
@@ -225,7 +266,93 @@ def sft_loss(
     caller = "sft_loss"
     _check_shapes(caller, logprobs=logprobs, mask=mask)
     m = mask.to(logprobs.dtype)
-    loss = _aggregate(-logprobs, m, AGGREGATIONS["token-mean"], denominator, caller)
+    loss = _aggregate(-logprobs, m, "token-mean", denominator, caller)
     with torch.no_grad():
         metrics = {"nll": masked_mean(-logprobs, m), "num_tokens": m.sum()}
+    return loss, metrics
+
+
+def _per_sequence(x: torch.Tensor, mask: torch.Tensor, name: str, caller: str) -> torch.Tensor:
+    """``x`` as one value per sequence ``[B]``: ``[B]`` as is, ``[B, T]`` by its masked
+    token-mean (the value itself when it is broadcast over the sequence's tokens)."""
+    if x.shape == mask.shape:
+        return masked_mean(x, mask, dim=-1)
+    if x.shape == mask.shape[:1]:
+        return x
+    raise ValueError(
+        f"{caller}: {name} has shape {tuple(x.shape)}; expected [B] {tuple(mask.shape[:1])} "
+        f"or [B, T] {tuple(mask.shape)}"
+    )
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    is_weights: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Group Sequence Policy Optimization (GSPO, Zheng et al. 2025): the PPO clip applied
+    to one length-normalised ratio per sequence.
+
+    For sequence ``i`` with masked tokens ``t`` (``n_i`` of them) and advantage ``A_i``::
+
+        s_i = exp( (1 / n_i) * sum_t (logprobs_it - old_logprobs_it) )
+        l_i = max(-A_i * s_i, -A_i * clip(s_i, 1 - clip_low, 1 + clip_high)) * w_i
+        loss = sum_{i non-empty} l_i / (denominator or number of non-empty sequences)
+
+    Gradient. ``s_i`` is computed as ``exp(mean log ratio)``, so where the unclipped branch
+    is taken::
+
+        d loss / d logprobs_it = -A_i * w_i * s_i * mask_it / n_i / denominator
+
+    and 0 where the clipped branch is (or ``|mean log ratio| > LOG_RATIO_BOUND``, where
+    it is clamped). This is also the gradient of "GSPO-token", whose token ratio is
+    ``sg[s_i] * pi(y_it) / sg[pi(y_it)]`` averaged over the tokens, when the advantage is
+    one value per sequence, as it is here: value and gradient coincide.
+
+    ``logprobs``, ``old_logprobs`` and ``mask`` are ``[B, T]``; ``advantages`` and
+    ``is_weights`` (detached weights ``w``, 1 when None) are ``[B]`` or ``[B, T]``, a
+    ``[B, T]`` tensor being reduced to its masked token-mean per sequence. The defaults
+    ``clip_low=3e-4``, ``clip_high=4e-4`` are the paper's: a sequence ratio moves far less
+    than a token ratio. ``denominator`` for micro-batches is the number of non-empty
+    sequences of the whole batch, ``loss_denominator(mask, aggregation="seq-mean-token-mean")``.
+
+    Metrics (detached): ``clip_frac`` and ``ratio_mean``, ``ratio_max`` over this call's
+    non-empty sequences; ``approx_kl`` the token-level k3 estimate of ``KL(pi_old || pi)``
+    as in ``ppo_policy_loss``.
+    """
+    caller = "gspo_policy_loss"
+    _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"{caller}: clip_low={clip_low} must be in [0, 1)")
+    if clip_high < 0.0:
+        raise ValueError(f"{caller}: clip_high={clip_high} must be >= 0")
+    m = mask.to(logprobs.dtype)
+    keep = m != 0
+    seq_m = keep.any(dim=-1).to(m.dtype)
+    # zero padding before the exp, as in ppo_policy_loss, so no NaN gradient comes back
+    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(m))
+    seq_log_ratio = masked_mean(log_ratio, m, dim=-1)
+    ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    adv = _per_sequence(advantages, m, "advantages", caller).to(m.dtype)
+    adv = torch.where(seq_m != 0, adv, torch.zeros_like(seq_m))
+    per_seq, is_clipped, _ = _clipped_surrogate(
+        ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=None
+    )
+    if is_weights is not None:
+        w = _per_sequence(is_weights.detach().to(m.dtype), m, "is_weights", caller)
+        per_seq = per_seq * torch.where(seq_m != 0, w, torch.zeros_like(w))
+    loss = _aggregate(per_seq.unsqueeze(-1), seq_m.unsqueeze(-1), "token-mean", denominator, caller)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean(is_clipped.to(m.dtype), seq_m),
+            "ratio_mean": masked_mean(ratio, seq_m),
+            "ratio_max": torch.where(seq_m != 0, ratio, torch.zeros_like(ratio)).amax(),
+            "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
+        }
     return loss, metrics

@@ -1,6 +1,9 @@
 """The algorithms rltune can run, as data: what each needs and which math it uses.
 
-A new algorithm is a new entry here and, at most, a new small function in this package.
+A new algorithm is a new entry here and, at most, a new small function in this package
+(see docs/algorithms.md, "Adding an algorithm"). Hyper-parameter defaults that differ by
+algorithm (DAPO's clip-higher, GSPO's narrow clip, ...) are presets of the config
+(``rltune.config.schema.ALGO_PRESETS``), so several entries share their math.
 """
 
 from __future__ import annotations
@@ -8,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from rltune.algos.advantages import group_advantages
-from rltune.algos.losses import ppo_policy_loss, sft_loss
+from rltune.algos.advantages import group_advantages, group_baseline, reinforce_pp_advantages, rloo_advantages
+from rltune.algos.losses import gspo_policy_loss, ppo_policy_loss, sft_loss
+from rltune.algos.preference import bradley_terry_loss, dpo_loss, simpo_loss
+from rltune.algos.value import gae
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,8 @@ class Algorithm:
     runtime loads one exactly when ``kl_coef > 0`` (see ``requires_reference``).
     ``needs_critic``: it trains a value model (PPO with GAE).
     ``advantage``: the advantage estimator, or None when the loss needs no advantages.
+    ``baseline``: applied to the sequence rewards before a token-level estimator
+    (REINFORCE++ with a group baseline), or None.
     ``loss``: the loss function, ``(... ) -> (loss, metrics)``.
     """
 
@@ -32,31 +39,50 @@ class Algorithm:
     needs_critic: bool
     advantage: Callable | None
     loss: Callable
+    baseline: Callable | None = None
 
     def requires_reference(self, kl_coef: float) -> bool:
         """Whether a reference model must be loaded for this ``kl_coef``."""
         return self.needs_reference or (self.uses_reference_when_kl and kl_coef > 0)
 
 
+def _online(name: str, advantage: Callable, loss: Callable = ppo_policy_loss, **kw) -> Algorithm:
+    return Algorithm(
+        name=name, online=True, needs_reference=False, uses_reference_when_kl=True,
+        needs_critic=kw.pop("needs_critic", False), advantage=advantage, loss=loss, **kw,
+    )
+
+
+def _offline(name: str, loss: Callable, *, needs_reference: bool = False) -> Algorithm:
+    return Algorithm(
+        name=name, online=False, needs_reference=needs_reference, uses_reference_when_kl=False,
+        needs_critic=False, advantage=None, loss=loss,
+    )
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     # GRPO (Shao et al. 2024): group-relative advantages, clipped PPO surrogate, no critic.
-    "grpo": Algorithm(
-        name="grpo",
-        online=True,
-        needs_reference=False,
-        uses_reference_when_kl=True,
-        needs_critic=False,
-        advantage=group_advantages,
-        loss=ppo_policy_loss,
-    ),
+    "grpo": _online("grpo", group_advantages),
+    # Dr. GRPO (Liu et al. 2025): GRPO without std scaling and with a constant normaliser.
+    "dr_grpo": _online("dr_grpo", group_advantages),
+    # DAPO (Yu et al. 2025): clip-higher, token-mean loss, dynamic sampling, overlong penalty.
+    "dapo": _online("dapo", group_advantages),
+    # GSPO (Zheng et al. 2025): group advantages, sequence-level importance ratio.
+    "gspo": _online("gspo", group_advantages, gspo_policy_loss),
+    # RLOO (Ahmadian et al. 2024): leave-one-out baseline within the group.
+    "rloo": _online("rloo", rloo_advantages),
+    # REINFORCE++ (Hu 2025): token-level returns whitened over the batch, no critic.
+    "reinforce_pp": _online("reinforce_pp", reinforce_pp_advantages),
+    # REINFORCE++ with the group mean subtracted from each reward first.
+    "reinforce_pp_baseline": _online("reinforce_pp_baseline", reinforce_pp_advantages, baseline=group_baseline),
+    # PPO (Schulman et al. 2017; Ouyang et al. 2022): a critic and GAE.
+    "ppo": _online("ppo", gae, needs_critic=True),
     # Supervised fine-tuning: token-mean NLL on a fixed dataset.
-    "sft": Algorithm(
-        name="sft",
-        online=False,
-        needs_reference=False,
-        uses_reference_when_kl=False,
-        needs_critic=False,
-        advantage=None,
-        loss=sft_loss,
-    ),
+    "sft": _offline("sft", sft_loss),
+    # DPO (Rafailov et al. 2023) and its IPO / hinge / robust variants: frozen reference.
+    "dpo": _offline("dpo", dpo_loss, needs_reference=True),
+    # SimPO (Meng et al. 2024): length-normalised, reference-free.
+    "simpo": _offline("simpo", simpo_loss),
+    # Reward model: Bradley-Terry on a scalar head.
+    "reward_model": _offline("reward_model", bradley_terry_loss),
 }

@@ -1,11 +1,12 @@
-"""KL estimators: hand values and autograd against the analytic derivatives."""
+"""KL estimators (hand values, autograd against the analytic derivatives) and the
+adaptive KL coefficient."""
 
 import math
 
 import pytest
 import torch
 
-from rltune.algos import kl_penalty
+from rltune.algos import adaptive_kl_coef, kl_penalty
 
 
 def _pair():
@@ -58,3 +59,34 @@ def test_unknown_kind_and_shape_mismatch_are_errors():
         kl_penalty(lp, ref, kind="k4")
     with pytest.raises(ValueError, match="shape"):
         kl_penalty(lp, ref[:, :2], kind="k1")
+
+
+# ---------------------------------------------------------------- adaptive KL coefficient
+
+
+def test_adaptive_kl_coef_hand_values():
+    kw = {"target": 0.1, "horizon": 10_000, "n_steps": 256}
+    # KL 0.12: err = 0.12/0.1 - 1 = 0.2 -> 0.1 * (1 + 0.2 * 256 / 10000) = 0.100512
+    assert abs(adaptive_kl_coef(0.1, 0.12, **kw) - 0.100512) < 1e-12
+    # KL 0.5: err 4 clipped to 0.2 -> the same
+    assert abs(adaptive_kl_coef(0.1, torch.tensor(0.5), **kw) - 0.100512) < 1e-12
+    # KL 0.09: err -0.1 -> 0.1 * (1 - 0.1 * 0.0256) = 0.099744
+    assert abs(adaptive_kl_coef(0.1, 0.09, **kw) - 0.099744) < 1e-12
+    # KL 0: err -1 clipped to -0.2 -> 0.1 * (1 - 0.2 * 0.0256) = 0.099488
+    assert abs(adaptive_kl_coef(0.1, 0.0, **kw) - 0.099488) < 1e-12
+    assert adaptive_kl_coef(0.1, 0.1, **kw) == 0.1  # on target: unchanged
+    # n_steps > 5 * horizon would make the factor negative: floored at 0
+    assert adaptive_kl_coef(0.1, 0.0, target=0.1, horizon=10, n_steps=60) == 0.0
+
+
+def test_adaptive_kl_coef_errors():
+    with pytest.raises(ValueError, match="adaptive_kl_coef: target=0"):
+        adaptive_kl_coef(0.1, 0.1, target=0.0, horizon=10, n_steps=1)
+    with pytest.raises(ValueError, match="horizon=-1"):
+        adaptive_kl_coef(0.1, 0.1, target=0.1, horizon=-1, n_steps=1)
+    with pytest.raises(ValueError, match="n_steps=-2"):
+        adaptive_kl_coef(0.1, 0.1, target=0.1, horizon=10, n_steps=-2)
+    with pytest.raises(ValueError, match="coef=-0.1"):
+        adaptive_kl_coef(-0.1, 0.1, target=0.1, horizon=10, n_steps=1)
+    with pytest.raises(ValueError, match="observed_kl=nan"):
+        adaptive_kl_coef(0.1, float("nan"), target=0.1, horizon=10, n_steps=1)

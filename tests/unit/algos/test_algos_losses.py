@@ -5,9 +5,15 @@ import math
 import pytest
 import torch
 
-from rltune.algos import AGGREGATIONS, loss_denominator, ppo_policy_loss, sft_loss
+from rltune.algos import AGGREGATIONS, aggregate_loss, loss_denominator, ppo_policy_loss, sft_loss
 
 F64 = torch.float64
+MAX_LEN = 12  # the constant length of "seq-mean-token-sum-norm" in these tests (T = 9)
+
+
+def _agg_kwargs(agg):
+    """The extra argument an aggregation needs: max_len for the Dr. GRPO mode only."""
+    return {"max_len": MAX_LEN} if AGGREGATIONS[agg].per_max_len else {}
 
 
 # ---------------------------------------------------------------- loop reference (floats)
@@ -23,7 +29,7 @@ def _ref_token(lp, old, a, *, cl, ch, dual):
     return (-dual * a if capped else loss), clipped > unclipped, capped
 
 
-def _ref_ppo(lp, old, adv, mask, *, cl, ch, dual, agg, w=None, den=None):
+def _ref_ppo(lp, old, adv, mask, *, cl, ch, dual, agg, w=None, den=None, max_len=None):
     """Independent ppo_policy_loss on nested lists of floats (fp64)."""
     seq_sums, seq_counts, stats = [], [], {"clip": 0.0, "kl": 0.0, "ratio": 0.0, "max": 0.0, "n": 0.0}
     for b in range(len(lp)):
@@ -49,8 +55,11 @@ def _ref_ppo(lp, old, adv, mask, *, cl, ch, dual, agg, w=None, den=None):
         num, own = sum(seq_sums), sum(seq_counts)
     elif agg == "seq-mean-token-mean":
         num, own = sum(seq_sums[i] / seq_counts[i] for i in nonempty), len(nonempty)
-    else:
+    elif agg == "seq-mean-token-sum":
         num, own = sum(seq_sums[i] for i in nonempty), len(nonempty)
+    else:
+        assert agg == "seq-mean-token-sum-norm"
+        num, own = sum(seq_sums[i] for i in nonempty), len(nonempty) * max_len
     d = own if den is None else den
     n = stats["n"]
     metrics = {
@@ -159,10 +168,12 @@ def test_ppo_matches_loop_reference(agg, dual, weighted):
     loss, metrics = ppo_policy_loss(
         lp, old, adv, mask,
         clip_low=0.2, clip_high=0.28, dual_clip=dual, aggregation=agg, is_weights=w,
+        **_agg_kwargs(agg),
     )
     ref_loss, ref_metrics = _ref_ppo(
         *_lists(lp, old, adv, mask),
         cl=0.2, ch=0.28, dual=dual, agg=agg, w=None if w is None else w.tolist(),
+        max_len=MAX_LEN,
     )
     assert abs(loss.item() - ref_loss) < 1e-6
     for name, value in ref_metrics.items():
@@ -202,9 +213,10 @@ def test_ppo_fp32_matches_fp64_reference():
 def test_micro_batch_losses_and_grads_sum_to_full_batch(agg, chunks):
     lp, old, adv, mask, w = _random_batch(seed=4)
     full_lp = lp.clone().requires_grad_(True)
-    full, _ = ppo_policy_loss(full_lp, old, adv, mask, aggregation=agg, dual_clip=2.0, is_weights=w)
+    kw = _agg_kwargs(agg)
+    full, _ = ppo_policy_loss(full_lp, old, adv, mask, aggregation=agg, dual_clip=2.0, is_weights=w, **kw)
     full.backward()
-    den = loss_denominator(mask, aggregation=agg)
+    den = loss_denominator(mask, aggregation=agg, **kw)
     micro_lp = lp.clone().requires_grad_(True)
     total = torch.zeros((), dtype=F64)
     for rows in torch.arange(lp.shape[0]).chunk(chunks):
@@ -234,7 +246,9 @@ def test_empty_mask_gives_zero_loss_and_finite_grads_with_inf_padding(agg):
     lp = torch.full((2, 3), -float("inf"), requires_grad=True)
     old = torch.zeros(2, 3)
     adv = torch.tensor([float("nan"), 1.0])
-    loss, metrics = ppo_policy_loss(lp, old, adv, torch.zeros(2, 3), aggregation=agg, dual_clip=3.0)
+    loss, metrics = ppo_policy_loss(
+        lp, old, adv, torch.zeros(2, 3), aggregation=agg, dual_clip=3.0, **_agg_kwargs(agg)
+    )
     assert loss.item() == 0.0
     loss.backward()
     assert torch.equal(lp.grad, torch.zeros(2, 3))
@@ -309,3 +323,52 @@ def test_aggregate_loss_matches_hand_values_for_each_mode():
     # seq-mean-token-sum: (3 + 4) / 2 = 3.5, or / 7 with an explicit whole-batch denominator
     assert aggregate_loss(x, m, aggregation="seq-mean-token-sum").item() == pytest.approx(3.5, abs=1e-12)
     assert aggregate_loss(x, m, aggregation="seq-mean-token-sum", denominator=7.0).item() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- Dr. GRPO aggregation
+
+
+def test_seq_mean_token_sum_norm_hand_values():
+    # ratio 1, so the per-token loss is -A; token sums -(1 + 2) = -3 and -4, an empty third
+    # row; 2 non-empty sequences x max_len 5 = 10, so the loss is -7 / 10
+    adv = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
+    lp = torch.zeros(3, 3, dtype=F64)
+    agg = "seq-mean-token-sum-norm"
+    loss, _ = ppo_policy_loss(lp, lp, adv, mask, aggregation=agg, max_len=5)
+    assert abs(loss.item() - (-0.7)) < 1e-12
+    assert loss_denominator(mask, aggregation=agg, max_len=5).item() == 10.0
+    assert abs(aggregate_loss(-adv, mask, aggregation=agg, max_len=5).item() - (-0.7)) < 1e-12
+    # an explicit denominator replaces the count, so max_len is not needed: -7 / 14
+    loss, _ = ppo_policy_loss(lp, lp, adv, mask, aggregation=agg, denominator=14.0)
+    assert abs(loss.item() - (-0.5)) < 1e-12
+
+
+def test_seq_mean_token_sum_norm_does_not_depend_on_padding_width():
+    # the same tokens padded to T=3 or T=6 give the same loss (the constant is max_len, not T)
+    adv = torch.tensor([[1.0, 2.0, 3.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
+    wide_adv = torch.cat([adv, torch.zeros(1, 3, dtype=F64)], dim=1)
+    wide_mask = torch.cat([mask, torch.zeros(1, 3, dtype=F64)], dim=1)
+    agg = "seq-mean-token-sum-norm"
+    lp, wide_lp = torch.zeros(1, 3, dtype=F64), torch.zeros(1, 6, dtype=F64)
+    a, _ = ppo_policy_loss(lp, lp, adv, mask, aggregation=agg, max_len=8)
+    b, _ = ppo_policy_loss(wide_lp, wide_lp, wide_adv, wide_mask, aggregation=agg, max_len=8)
+    assert abs(a.item() - (-3.0 / 8.0)) < 1e-12 and abs(b.item() - a.item()) < 1e-12
+
+
+def test_max_len_is_required_by_the_norm_mode_only():
+    lp, old, adv, mask, _ = _random_batch(seed=9)
+    with pytest.raises(ValueError, match="ppo_policy_loss: aggregation='seq-mean-token-sum-norm'.*max_len"):
+        ppo_policy_loss(lp, old, adv, mask, aggregation="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="loss_denominator: .*max_len=None"):
+        loss_denominator(mask, aggregation="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="max_len=0"):
+        loss_denominator(mask, aggregation="seq-mean-token-sum-norm", max_len=0)
+    # the other modes ignore max_len
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        a, _ = ppo_policy_loss(lp, old, adv, mask, aggregation=agg)
+        b, _ = ppo_policy_loss(lp, old, adv, mask, aggregation=agg, max_len=MAX_LEN)
+        assert a.item() == b.item()
+        with_len = loss_denominator(mask, aggregation=agg, max_len=MAX_LEN)
+        assert with_len.item() == loss_denominator(mask, aggregation=agg).item()
