@@ -1,10 +1,11 @@
-"""`rltune train FILE [key.sub=value ...]`."""
+"""`rltune train FILE [key.sub=value ...]`, `rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
@@ -12,6 +13,7 @@ from rich.console import Console
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that mean the input (config, data, model, reward, checkpoint) is wrong: shown
     as one message, without a traceback."""
+    from rltune.checkpoint.export import ExportError
     from rltune.checkpoint.store import CheckpointError
     from rltune.config import ConfigError
     from rltune.data.loaders import DataError
@@ -19,7 +21,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.models.load import ModelLoadError
     from rltune.rewards.loading import RewardLoadError
 
-    return (ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError)
+    return (
+        ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
+        ExportError,
+    )
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
@@ -31,6 +36,15 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     run = run_local(cfg, config_dir=config_base_dir(args.config))
     console.print(f"run directory: {run.run_dir}")
     _print_eval_summary(run, console)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from rltune.checkpoint.export import export_run
+
+    _quiet_transformers()
+    checkpoint = export_run(args.run_dir, args.out_dir, checkpoint=args.checkpoint)
+    console.print(f"exported {checkpoint} to {args.out_dir}")
     return 0
 
 
@@ -72,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face model directory (LoRA adapters merged)",
+    )
+    p.add_argument("run_dir", type=Path, help="the run's directory (log.dir/NAME), with its config.yaml")
+    p.add_argument("out_dir", type=Path, help="new (or empty) directory to write the model to")
+    p.add_argument(
+        "--checkpoint", type=Path, default=None,
+        help="checkpoint directory to export (default: the run's newest complete one)",
+    )
+    p.set_defaults(fn=cmd_export)
     return parser
 
 

@@ -1,0 +1,171 @@
+"""`rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`: the exported directory loads with
+plain transformers and computes what the checkpoint's model computes; LoRA runs come out
+merged; a missing run, a run without checkpoints, a busy output directory and weights
+that do not fit the run's config are one message and exit code 2."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from rltune.checkpoint import load_checkpoint, save_checkpoint
+from rltune.checkpoint.model import model_to_state
+from rltune.cli import main
+from rltune.config import load_config, save_resolved_config
+from rltune.models.load import load_model, resolve_model
+from rltune.models.lora import apply_lora
+from rltune.runtime.local import run_local
+
+pytestmark = pytest.mark.usefixtures("keep_torch_threads")
+
+IDS = torch.tensor([[30, 70, 11, 122, 95, 14, 3], [50, 52, 200, 2, 111, 39, 3]])
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """One message per line, paths included (rich wraps at 80 columns otherwise)."""
+    monkeypatch.setenv("COLUMNS", "500")
+
+
+def _config(log_dir: Path, *overrides: str):
+    return load_config(None, [
+        "name=export-run",
+        "model.path=builtin:tiny",
+        "algo.name=sft",
+        "data.train=builtin:arith_small/train",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "train.lr=1e-2",
+        "train.threads=1",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+        "checkpoint.final=false",
+        f"log.dir={log_dir}",
+        "log.console=false",
+        *overrides,
+    ])
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """A real 2-step SFT run with a checkpoint after each step."""
+    return run_local(_config(tmp_path_factory.mktemp("runs")))
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=IDS).logits
+
+
+def _checkpoint_model(path: Path) -> torch.nn.Module:
+    model = load_model(resolve_model("builtin:tiny"))
+    model.load_state_dict(load_checkpoint(path)[0]["model"], strict=False)  # tied lm_head
+    return model
+
+
+def _exported(out: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+def _succeeds(capsys, argv: list[str]) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, (out, err)
+    return err
+
+
+def _fails(capsys, argv: list[str]) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    assert err.count("error: ") == 1, err
+    return err[err.index("error: "):]
+
+
+def test_export_writes_the_newest_checkpoint(capsys, sft_run, tmp_path):
+    checkpoints = sft_run.run_dir / "checkpoints"
+    err = _succeeds(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
+    assert f"exported {checkpoints / 'step-2'} to {tmp_path / 'out'}" in err
+    exported = _logits(_exported(tmp_path / "out"))
+    assert torch.equal(exported, _logits(_checkpoint_model(checkpoints / "step-2")))
+    assert torch.equal(exported, _logits(sft_run.learner.model))  # the model the run ended with
+    assert (exported - _logits(load_model(resolve_model("builtin:tiny")))).abs().max() > 1e-3
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_export_of_a_chosen_checkpoint(capsys, sft_run, tmp_path):
+    step_1 = sft_run.run_dir / "checkpoints" / "step-1"
+    _succeeds(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(step_1)])
+    exported = _logits(_exported(tmp_path / "out"))
+    assert torch.equal(exported, _logits(_checkpoint_model(step_1)))
+    assert not torch.equal(exported, _logits(sft_run.learner.model))
+
+
+@pytest.mark.parametrize("fmt", ["adapters", "full state_dict"])
+def test_a_lora_run_is_exported_merged(capsys, tmp_path, fmt):
+    """A LoRA run directory written through the config and checkpoint APIs: the resolved
+    config with ``model.lora``, and a checkpoint of adapters (or, as a runtime that
+    saves ``model.state_dict()`` writes it, the wrapped model's full state without meta)."""
+    cfg = _config(tmp_path / "runs", "model.lora.r=4", "model.lora.alpha=8")
+    run_dir = tmp_path / "runs" / cfg.name
+    save_resolved_config(cfg, run_dir)
+    model = apply_lora(load_model(resolve_model("builtin:tiny")), cfg.model.lora)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=g) * 0.05)
+    tensors, meta = model_to_state(model) if fmt == "adapters" else (model.state_dict(), None)
+    save_checkpoint(run_dir / "checkpoints", 3, tensors={"model": tensors}, meta={"model": meta}, keep=1)
+
+    _succeeds(capsys, ["export", str(run_dir), str(tmp_path / "out")])
+    assert not list((tmp_path / "out").glob("adapter*"))
+    exported = _logits(_exported(tmp_path / "out"))
+    torch.testing.assert_close(exported, _logits(model), atol=1e-5, rtol=0)
+    assert (exported - _logits(load_model(resolve_model("builtin:tiny")))).abs().max() > 1e-2
+
+
+def test_missing_run_directory(capsys, tmp_path):
+    err = _fails(capsys, ["export", str(tmp_path / "nope"), str(tmp_path / "out")])
+    assert f"run directory {tmp_path / 'nope'} does not exist" in err
+
+
+def test_a_run_without_checkpoints(capsys, sft_run, tmp_path):
+    run_dir = tmp_path / "bare"
+    run_dir.mkdir()
+    shutil.copy(sft_run.run_dir / "config.yaml", run_dir)
+    err = _fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
+    assert f"run directory {run_dir} has no complete checkpoint under {run_dir / 'checkpoints'}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_path_that_does_not_exist(capsys, sft_run, tmp_path):
+    err = _fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(tmp_path / "step-9")])
+    assert f"checkpoint {tmp_path / 'step-9'} does not exist" in err
+
+
+def test_an_output_directory_with_files_is_left_alone(capsys, sft_run, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    err = _fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
+    assert f"output directory {tmp_path / 'out'} already exists and is not empty" in err
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_weights_that_do_not_fit_the_config(capsys, sft_run, tmp_path):
+    """The run's checkpoints with a config that adds LoRA: the saved full weights lack
+    the adapters the rebuilt model has."""
+    run_dir = tmp_path / "edited"
+    shutil.copytree(sft_run.run_dir / "checkpoints", run_dir / "checkpoints")
+    data = yaml.safe_load((sft_run.run_dir / "config.yaml").read_text())
+    data["model"]["lora"] = {"r": 2}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    err = _fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
+    assert f"{run_dir / 'checkpoints' / 'step-2'}: the saved model weights do not fit the model" in err
+    assert "unset `model.lora` as in the run that saved it" in err
