@@ -14,6 +14,45 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (Hu et al. 2021): each targeted weight ``W`` stays frozen and the
+    model learns ``W + (alpha / r) * B A`` with ``B`` zero at the start, so training
+    begins exactly at the base model. Only the adapters (and ``modules_to_save``) train."""
+
+    r: int = Field(8, ge=1)
+    """Rank of each update ``B A``."""
+    alpha: float = Field(16.0, gt=0)
+    """The update is scaled by ``alpha / r``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training; 0 keeps the adapted forward deterministic."""
+    target_modules: Literal["all-linear"] | tuple[str, ...] = "all-linear"
+    """``all-linear``: every linear layer except the output head (``lm_head``); or module
+    names, each matching the modules whose dotted name is it or ends with ``.NAME``
+    (``q_proj`` matches every layer's ``self_attn.q_proj``). One name may be given as text."""
+    modules_to_save: tuple[str, ...] | None = None
+    """Modules trained in full next to the adapters (e.g. ``lm_head``), matched like
+    ``target_modules``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name(cls, data: object) -> object:
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in ("target_modules", "modules_to_save"):
+                value = data.get(key)
+                if isinstance(value, str) and not (key == "target_modules" and value == "all-linear"):
+                    data[key] = (value,)
+        return data
+
+    @model_validator(mode="after")
+    def _names_given(self) -> "LoraConfig":
+        if self.target_modules == ():
+            raise ValueError("target_modules is empty; name at least one module or use all-linear")
+        if self.modules_to_save == ():
+            raise ValueError("modules_to_save is empty; leave it unset (null) for none")
+        return self
+
+
 class ModelConfig(_Section):
     path: str = "builtin:tiny"
     """A local HF model directory, or ``builtin:tiny`` (a small Qwen2 built on the spot)."""
@@ -23,20 +62,99 @@ class ModelConfig(_Section):
     """Run model code shipped inside the model directory. Off unless you trust it."""
     router_aux_loss_coef: float | None = None
     """MoE models: weight of the router load-balancing loss; None uses the model config's."""
+    critic_path: str | None = None
+    """PPO: the causal LM whose body the critic starts from; None uses ``path``."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of the full model; None trains every weight."""
+
+
+ALGO_NAMES = (
+    "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo",
+    "sft", "dpo", "simpo", "reward_model",
+)
+
+ALGO_PRESETS: dict[str, dict[str, object]] = {
+    # Dr. GRPO (Liu et al. 2025): no std scaling, a constant-length normaliser
+    "dr_grpo": {"adv_scale": "none", "aggregation": "seq-mean-token-sum-norm"},
+    # DAPO (Yu et al. 2025): clip-higher, token-level loss, dynamic sampling
+    "dapo": {"clip_high": 0.28, "aggregation": "token-mean", "dynamic_sampling": True},
+    # GSPO (Zheng et al. 2025): sequence-level ratio with a much narrower clip range
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+    # SimPO (Meng et al. 2024): its reward scale and target margin
+    "simpo": {"beta": 2.0, "simpo_gamma": 1.0},
+}
+"""Defaults that differ by ``algo.name``; a key the user sets always wins."""
+
+ONLINE_ALGOS = frozenset(
+    {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"}
+)
+"""Algorithms that generate and score rollouts every step (the registry says the same)."""
+GROUP_BASELINE_ALGOS = ONLINE_ALGOS - {"ppo", "reinforce_pp"}
+"""Algorithms whose baseline is the other samples of the same prompt."""
 
 
 class AlgoConfig(_Section):
-    name: Literal["grpo", "sft"] = "grpo"
+    name: Literal[ALGO_NAMES] = "grpo"  # type: ignore[valid-type]
     group_size: int = Field(8, ge=1)
-    """Samples drawn per prompt; the group is the baseline for GRPO advantages."""
+    """Samples drawn per prompt; the group is the baseline for GRPO/RLOO advantages."""
     adv_scale: Literal["std", "none"] = "std"
     """GRPO divides by the group's reward std; ``none`` is Dr.GRPO."""
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """Upper clip of the ratio; above ``clip_low`` is DAPO's clip-higher."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables it."""
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL-to-reference term in the loss; 0 loads no reference model."""
+    """Weight of the KL-to-reference term; 0 loads no reference model."""
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of the KL term in the loss. With ``kl_in_reward`` the reward uses k1."""
+    kl_in_reward: bool = False
+    """PPO: subtract ``kl_coef * k1`` from each token's reward instead of adding a loss term."""
+    kl_target: float | None = Field(None, gt=0)
+    """With ``kl_in_reward``: adapt ``kl_coef`` towards this KL per sequence (Ziegler et al. 2019)."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive KL controller's horizon, in samples."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount over completion tokens (PPO's GAE, REINFORCE++)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE's lambda."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each step's batch (PPO epochs)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per epoch; the batch is shuffled and split into this many parts."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """PPO's critic: clip the new value to within this of the old; None disables it."""
+    critic_lr: float | None = Field(None, ge=0)
+    """PPO's critic learning rate; None uses ``train.lr``."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """PPO: train only the critic for this many steps before the policy moves."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and draw more prompts to refill."""
+    max_refill_rounds: int = Field(4, ge=0)
+    """Dynamic sampling: extra generation rounds per step before learning on what there is."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong penalty over the last N tokens before ``max_new_tokens``; 0 is off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    importance_correction: Literal["none", "token-truncate", "seq-mask"] = "none"
+    """Correct for the gap between the generating engine's and the learner's log-probs."""
+    importance_cap: float = Field(2.0, gt=1)
+    beta: float = Field(0.1, gt=0)
+    """DPO/SimPO: the inverse temperature of the implicit reward."""
+    dpo_kind: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """DPO ``sigmoid``: conservative DPO; ``robust``: rDPO's assumed label-flip rate."""
+    simpo_gamma: float = Field(1.0, ge=0)
+    """SimPO's target reward margin."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _presets(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("name") in ALGO_PRESETS:
+            return {**ALGO_PRESETS[data["name"]], **data}
+        return data
 
 
 class DataConfig(_Section):
@@ -47,6 +165,10 @@ class DataConfig(_Section):
     """Field with the prompt: a string, or a list of ``{role, content}`` messages."""
     completion_field: str = "completion"
     """SFT only: the field with the target completion."""
+    chosen_field: str = "chosen"
+    """Preference data (DPO, SimPO, reward model): the preferred response."""
+    rejected_field: str = "rejected"
+    """Preference data: the dispreferred response."""
     id_field: str | None = None
     """Field used as the prompt id; None numbers rows ``FILE:ROW``."""
     system_prompt: str | None = None
@@ -147,10 +269,16 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        if self.algo.name == "grpo" and not self.reward:
-            raise ValueError("algo.name=grpo needs at least one entry in `reward`")
-        if self.algo.name == "grpo" and self.algo.group_size < 2:
-            raise ValueError("algo.group_size must be >= 2 for grpo (the group is the baseline)")
+        name = self.algo.name
+        if name in ONLINE_ALGOS and not self.reward:
+            raise ValueError(f"algo.name={name} needs at least one entry in `reward`")
+        if name == "gspo" and self.algo.aggregation != "seq-mean-token-mean":
+            raise ValueError(
+                "algo.name=gspo averages one ratio per sequence; algo.aggregation must be "
+                f"seq-mean-token-mean, not {self.algo.aggregation}"
+            )
+        if name in GROUP_BASELINE_ALGOS and self.algo.group_size < 2:
+            raise ValueError(f"algo.group_size must be >= 2 for {name} (the group is the baseline)")
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name {self.name!r} must be a plain directory name")
         return self

@@ -13,7 +13,6 @@ from rltune.data.records import TrainBatch
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective
 from rltune.learner.optim import build_optimizer, build_schedule
-from rltune.models.logprobs import completion_logprobs
 
 
 
@@ -32,6 +31,7 @@ class LocalLearner:
         *,
         temperature: float = 1.0,
         aux_loss_coef: float = 0.0,
+        updates_per_step: int = 1,
     ) -> None:
         self.model = model
         self.objective = objective
@@ -39,7 +39,7 @@ class LocalLearner:
         self.temperature = temperature
         self.aux_loss_coef = aux_loss_coef
         self.optimizer = build_optimizer(model.parameters(), cfg)
-        self.schedule = build_schedule(self.optimizer, cfg)
+        self.schedule = build_schedule(self.optimizer, cfg, updates_per_step=updates_per_step)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
@@ -51,13 +51,12 @@ class LocalLearner:
         tokens = batch.loss_mask.sum()
         denominator = self.objective.denominator(batch)
         sums: dict[str, torch.Tensor] = {}
+        total_weight = torch.zeros(())
         total_loss = torch.zeros(())
-        for mb in split_by_tokens(batch, self.cfg.micro_batch_tokens):
+        for mb in split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit):
             with self._autocast():
-                out = completion_logprobs(
-                    self.model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                    temperature=self.temperature, with_entropy=True,
-                    output_router_logits=self.aux_loss_coef > 0,
+                out = self.objective.forward(
+                    self.model, mb, temperature=self.temperature, router_logits=self.aux_loss_coef > 0
                 )
             loss, metrics = self.objective.loss(out, mb, denominator)
             if out.aux_loss is not None and self.aux_loss_coef > 0:
@@ -66,17 +65,33 @@ class LocalLearner:
                 metrics["aux_loss"] = out.aux_loss.detach().float()
             loss.backward()
             total_loss += loss.detach().float()
-            if out.entropy is not None:
-                metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
-            weight = mb.loss_mask.sum()
+            weight = self.objective.metric_weight(mb)
+            total_weight += weight
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
         # metrics stay tensors through the micro-batches and become floats once per step
-        result = {k: float(v / tokens.clamp(min=1)) for k, v in sums.items()}
+        result = {k: float(v / total_weight.clamp(min=1)) for k, v in sums.items()}
         result["loss"] = float(total_loss)
         result.update(self._apply_gradients())
         result["tokens"] = float(tokens)
         return result
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, C]`` per-token log-probs of ``batch`` under the current weights, no grad."""
+        return self.predict(batch, "logprobs")
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, C]`` critic values of ``batch`` (for a learner with a value objective)."""
+        return self.predict(batch, "values")
+
+    def predict(self, batch: TrainBatch, field: str) -> torch.Tensor:
+        """The ``field`` of the objective's forward on ``batch``, in eval mode, without
+        gradient, in row chunks within the micro-batch token budget."""
+        self.model.eval()
+        return predict(
+            self.model, self.objective.forward, batch, field,
+            budget=self.cfg.micro_batch_tokens, temperature=self.temperature, autocast=self._autocast,
+        )
 
     def _apply_gradients(self) -> dict[str, float]:
         """Clip and step, or skip the step when the gradient norm is not finite."""
@@ -114,3 +129,25 @@ class LocalLearner:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+@torch.no_grad()
+def predict(
+    model: torch.nn.Module,
+    forward,
+    batch: TrainBatch,
+    field: str,
+    *,
+    budget: int,
+    temperature: float = 1.0,
+    autocast=contextlib.nullcontext,
+) -> torch.Tensor:
+    """``getattr(forward(model, rows), field)`` for all rows of ``batch``, ``[B, C]``
+    float32, computed on consecutive row chunks whose padded size fits ``budget``."""
+    rows = max(1, budget // batch.input_ids.shape[1])
+    parts = []
+    for i in range(0, len(batch), rows):
+        with autocast():
+            out = forward(model, batch.select(slice(i, i + rows)), temperature=temperature, router_logits=False)
+        parts.append(getattr(out, field).float())
+    return torch.cat(parts)

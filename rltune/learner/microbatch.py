@@ -7,26 +7,31 @@ import torch
 from rltune.data.records import TrainBatch
 
 
-def split_by_tokens(batch: TrainBatch, budget: int) -> list[TrainBatch]:
+def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[TrainBatch]:
     """Micro-batches whose padded size (rows x (longest prompt + longest completion))
-    stays within ``budget`` tokens; a single row longer than the budget is its own
+    stays within ``budget`` tokens; a single unit longer than the budget is its own
     micro-batch. Rows are grouped by length so little padding is computed, and each
-    micro-batch is trimmed of all-padding columns."""
-    prompt_lens = batch.attention_mask[:, : batch.prompt_len].sum(dim=1)
-    comp_lens = batch.attention_mask[:, batch.prompt_len :].sum(dim=1)
+    micro-batch is trimmed of all-padding columns.
+
+    ``unit`` consecutive rows (``unit * k .. unit * k + unit - 1``) always travel together,
+    in their order: a loss over pairs (chosen, rejected) needs both in one forward."""
+    if len(batch) % unit:
+        raise ValueError(f"split_by_tokens: {len(batch)} rows do not split into units of {unit}")
+    prompt_lens = batch.attention_mask[:, : batch.prompt_len].sum(dim=1).view(-1, unit).amax(1)
+    comp_lens = batch.attention_mask[:, batch.prompt_len :].sum(dim=1).view(-1, unit).amax(1)
     order = torch.argsort(prompt_lens + comp_lens, descending=True, stable=True)
     if len(batch) * int(prompt_lens.max() + comp_lens.max()) <= budget:
         return [batch.trim()]
     chunks: list[list[int]] = []
     current: list[int] = []
     max_p = max_c = 0
-    for row in order.tolist():
-        p, c = int(prompt_lens[row]), int(comp_lens[row])
+    for k in order.tolist():
+        p, c = int(prompt_lens[k]), int(comp_lens[k])
         new_p, new_c = max(max_p, p), max(max_c, c)
-        if current and (len(current) + 1) * (new_p + new_c) > budget:
+        if current and (len(current) + unit) * (new_p + new_c) > budget:
             chunks.append(current)
             current, new_p, new_c = [], p, c
-        current.append(row)
+        current.extend(range(k * unit, k * unit + unit))
         max_p, max_c = new_p, new_c
     chunks.append(current)
     return [batch.select(torch.tensor(rows)).trim() for rows in chunks]

@@ -4,50 +4,125 @@ micro-batch of model outputs and the pure loss functions."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from rltune.algos import Algorithm, aggregate_loss, kl_penalty, loss_denominator, masked_mean, ppo_policy_loss, sft_loss
+from rltune.algos import (
+    Algorithm,
+    aggregate_loss,
+    gspo_policy_loss,
+    importance_weight_metrics,
+    importance_weights,
+    kl_penalty,
+    loss_denominator,
+    masked_mean,
+    ppo_policy_loss,
+    sft_loss,
+    value_loss,
+)
 from rltune.config.schema import AlgoConfig
 from rltune.data.records import TrainBatch
-from rltune.models.logprobs import LogProbOutput
+from rltune.models.logprobs import LogProbOutput, completion_logprobs
+from rltune.models.value import ValueOutput, value_forward
 
 Metrics = dict[str, torch.Tensor]
 
 
+def logprob_forward(
+    model: torch.nn.Module, mb: TrainBatch, *, temperature: float, router_logits: bool
+) -> LogProbOutput:
+    """The policy's per-token log-probs (and entropy) of ``mb``'s completions."""
+    return completion_logprobs(
+        model, mb.input_ids, mb.attention_mask, mb.prompt_len,
+        temperature=temperature, with_entropy=True, output_router_logits=router_logits,
+    )
+
+
 @dataclass(frozen=True)
 class Objective:
-    """``loss(out, micro_batch, denominator)`` returns this micro-batch's share of the
-    whole-batch loss; ``denominator(batch)`` is computed once on the whole batch."""
+    """What one learner minimises, in three parts.
 
-    loss: Callable[[LogProbOutput, TrainBatch, torch.Tensor], tuple[torch.Tensor, Metrics]]
+    ``forward(model, micro_batch, temperature=, router_logits=)`` runs the model; its
+    output has an ``aux_loss`` attribute (an MoE router loss, or None).
+    ``loss(out, micro_batch, denominator)`` returns this micro-batch's share of the
+    whole-batch loss and its metrics; ``denominator(batch)`` is computed once on the whole
+    batch. ``unit`` rows in a row stay in one micro-batch (2 for chosen/rejected pairs).
+    """
+
+    loss: Callable[[Any, TrainBatch, torch.Tensor], tuple[torch.Tensor, Metrics]]
     aggregation: str
+    forward: Callable[..., Any] = logprob_forward
+    unit: int = 1
+    count: Callable[[TrainBatch], torch.Tensor] | None = None
+    """The whole-batch normaliser when it is not ``loss_denominator`` of the loss mask."""
+    weight: Callable[[TrainBatch], torch.Tensor] | None = None
+    """How much a micro-batch's metrics weigh in the step's average; None: its loss tokens."""
+
+    def metric_weight(self, mb: TrainBatch) -> torch.Tensor:
+        return self.weight(mb) if self.weight is not None else mb.loss_mask.sum()
 
     def denominator(self, batch: TrainBatch) -> torch.Tensor:
+        if self.count is not None:
+            return self.count(batch)
         return loss_denominator(batch.loss_mask, aggregation=self.aggregation)
 
 
-def policy_objective(cfg: AlgoConfig) -> Objective:
-    """Clipped policy-gradient loss plus, when ``kl_coef > 0``, ``kl_coef`` times the
+def _ppo_kwargs(cfg: AlgoConfig, max_len: int | None) -> dict[str, Any]:
+    return dict(
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        aggregation=cfg.aggregation, max_len=max_len,
+    )
+
+
+def _gspo_kwargs(cfg: AlgoConfig, max_len: int | None) -> dict[str, Any]:
+    return dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+
+
+# The policy losses and the hyper-parameters each takes from the config.
+_POLICY_LOSSES: dict[Callable, Callable[[AlgoConfig, int | None], dict[str, Any]]] = {
+    ppo_policy_loss: _ppo_kwargs,
+    gspo_policy_loss: _gspo_kwargs,
+}
+
+
+def policy_objective(
+    cfg: AlgoConfig, *, policy_loss: Callable = ppo_policy_loss, max_len: int | None = None
+) -> Objective:
+    """A clipped policy-gradient loss (``ppo_policy_loss`` or ``gspo_policy_loss``) plus,
+    when ``kl_coef > 0`` and the KL is not already in the reward, ``kl_coef`` times the
     KL-to-reference estimate aggregated the same way as the policy loss.
 
     A batch without ``old_logprobs`` is on-policy and learned once: the old log-probs are
-    the current ones, detached, so no second forward pass is spent on them.
+    the current ones, detached, so no second forward pass is spent on them. With
+    ``importance_correction`` the loss is weighted by the truncated or masked ratio of
+    those old log-probs to the generating engine's (``behaviour_logprobs``).
+    ``max_len`` is the constant of the "seq-mean-token-sum-norm" aggregation.
     """
+    loss_kwargs = _POLICY_LOSSES[policy_loss](cfg, max_len)
+    kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
 
     def loss(out: LogProbOutput, mb: TrainBatch, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         old = mb.old_logprobs if mb.old_logprobs is not None else out.logprobs.detach()
-        total, metrics = ppo_policy_loss(
+        is_weights, correction = None, {}
+        if cfg.importance_correction != "none" and mb.behaviour_logprobs is not None:
+            is_weights = importance_weights(
+                old, mb.behaviour_logprobs, mb.loss_mask, mode=cfg.importance_correction, cap=cfg.importance_cap
+            )
+            correction = importance_weight_metrics(is_weights, old, mb.behaviour_logprobs, mb.loss_mask)
+        total, metrics = policy_loss(
             out.logprobs, old, mb.advantages, mb.loss_mask,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            aggregation=cfg.aggregation, denominator=denominator,
+            is_weights=is_weights, denominator=denominator, **loss_kwargs,
         )
-        if cfg.kl_coef > 0:
+        metrics.update(correction)
+        if kl_in_loss:
             kl = kl_penalty(out.logprobs, mb.ref_logprobs, kind=cfg.kl_kind)
-            kl_loss = aggregate_loss(kl, mb.loss_mask, aggregation=cfg.aggregation, denominator=denominator)
+            kl_loss = aggregate_loss(
+                kl, mb.loss_mask, aggregation=cfg.aggregation, denominator=denominator, max_len=max_len
+            )
             total = total + cfg.kl_coef * kl_loss
             metrics["kl"] = masked_mean(kl.detach(), mb.loss_mask)
+        metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
         if mb.behaviour_logprobs is not None:
             # engine vs learner log-prob gap on the same tokens: the rollout mismatch
             metrics["logprob_mismatch"] = masked_mean(
@@ -55,23 +130,37 @@ def policy_objective(cfg: AlgoConfig) -> Objective:
             )
         return total, metrics
 
-    return Objective(loss=loss, aggregation=cfg.aggregation)
+    def count(batch: TrainBatch) -> torch.Tensor:
+        return loss_denominator(batch.loss_mask, aggregation=cfg.aggregation, max_len=max_len)
+
+    return Objective(loss=loss, aggregation=cfg.aggregation, count=count)
+
+
+def value_objective(cfg: AlgoConfig) -> Objective:
+    """PPO's critic: ``value_loss`` against ``returns``, clipped around the values the
+    batch was scored with (``values``), token-mean over the policy's tokens."""
+
+    def loss(out: ValueOutput, mb: TrainBatch, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        return value_loss(out.values, mb.values, mb.returns, mb.loss_mask, clip=cfg.value_clip, denominator=denominator)
+
+    return Objective(loss=loss, aggregation="token-mean", forward=value_forward)
 
 
 def sft_objective(cfg: AlgoConfig) -> Objective:
     """Token-mean negative log-likelihood of the completion."""
 
     def loss(out: LogProbOutput, mb: TrainBatch, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-        return sft_loss(out.logprobs, mb.loss_mask, denominator=denominator)
+        loss_, metrics = sft_loss(out.logprobs, mb.loss_mask, denominator=denominator)
+        metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
+        return loss_, metrics
 
     return Objective(loss=loss, aggregation="token-mean")
 
 
-_OBJECTIVES: dict[Callable, Callable[[AlgoConfig], Objective]] = {
-    ppo_policy_loss: policy_objective,
-    sft_loss: sft_objective,
-}
-
-
-def build_objective(algorithm: Algorithm, cfg: AlgoConfig) -> Objective:
-    return _OBJECTIVES[algorithm.loss](cfg)
+def build_objective(algorithm: Algorithm, cfg: AlgoConfig, *, max_len: int | None = None) -> Objective:
+    """The learner's objective for ``algorithm``; ``max_len`` is ``rollout.max_new_tokens``."""
+    if algorithm.loss in _POLICY_LOSSES:
+        return policy_objective(cfg, policy_loss=algorithm.loss, max_len=max_len)
+    if algorithm.loss is sft_loss:
+        return sft_objective(cfg)
+    raise ValueError(f"algorithm {algorithm.name!r} trains with its own objective, not the policy learner's")

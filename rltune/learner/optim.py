@@ -40,13 +40,17 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over :func:`lr_factor`. Its state is just the step count, so it
+def build_schedule(
+    opt: torch.optim.Optimizer, cfg: TrainConfig, *, updates_per_step: int = 1
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over :func:`lr_factor`, stepped once per optimizer update.
+    ``updates_per_step`` (PPO epochs x mini-batches) keeps ``train.warmup_steps`` and
+    ``train.steps`` counted in train steps. Its state is just the update count, so it
     round-trips through JSON."""
     fn = partial(
         lr_factor,
-        warmup=cfg.warmup_steps,
-        total=cfg.steps,
+        warmup=cfg.warmup_steps * updates_per_step,
+        total=cfg.steps * updates_per_step,
         schedule=cfg.schedule,
         min_ratio=cfg.min_lr_ratio,
     )

@@ -193,8 +193,10 @@ class HFSteps:
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
     """The forward argument that takes the KV cache: ``cache`` in newer transformers,
-    ``past_key_values`` before. The cache object is updated in place either way."""
-    params = inspect.signature(model.forward).parameters
+    ``past_key_values`` before. The cache object is updated in place either way. A LoRA
+    wrapper forwards its keyword arguments to the model it wraps, whose signature counts."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

@@ -32,5 +32,4 @@ def evaluate(
         scorer.score({p.id: p for p in part}, done)
         rollouts.extend(done)
     metrics = rollout_metrics(rollouts, group_size=1)
-    metrics.pop("groups/zero_std_frac")
     return {f"eval/{k}": v for k, v in metrics.items()}

@@ -1,14 +1,36 @@
-"""From scored rollouts to a TrainBatch, and the rollout statistics of a step."""
+"""From scored rollouts to a TrainBatch: rewards, reference and old log-probs, values,
+advantages — and the rollout statistics of a step.
+
+Which estimator runs is the algorithm's ``advantage`` entry (``rltune.algos.registry``):
+sequence-level estimators (GRPO's group advantages, RLOO) give one value per sample;
+token-level ones (REINFORCE++, PPO's GAE) work on per-token rewards, the sequence's score
+on its last token minus, with ``algo.kl_in_reward``, ``kl_coef`` times the k1 KL.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from rltune.algos import group_advantages
+from rltune.algos import (
+    gae,
+    group_advantages,
+    kl_penalty,
+    kl_shaped_rewards,
+    last_token_rewards,
+    masked_mean,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_rollouts
 from rltune.data.records import Rollout, TrainBatch
+
+if TYPE_CHECKING:
+    from rltune.runtime.loop import Run
 
 
 def rewards_tensor(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,6 +41,13 @@ def rewards_tensor(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Ten
     return rewards, ~torch.isnan(rewards)
 
 
+# Sequence-level estimators: (rewards [B], valid [B], cfg) -> advantages [B].
+_SEQUENCE_ESTIMATORS: dict[Callable, Callable[[torch.Tensor, torch.Tensor, AlgoConfig], torch.Tensor]] = {
+    group_advantages: lambda r, ok, a: group_advantages(r, a.group_size, scale=a.adv_scale, valid=ok),
+    rloo_advantages: lambda r, ok, a: rloo_advantages(r, a.group_size, valid=ok),
+}
+
+
 def grpo_experience(
     rollouts: Sequence[Rollout], *, group_size: int, adv_scale: str, pad_id: int
 ) -> TrainBatch:
@@ -27,12 +56,68 @@ def grpo_experience(
     Samples without a reward are excluded from their group's baseline and from the loss
     (their loss-mask is zeroed), never scored 0.
     """
+    cfg = AlgoConfig(group_size=group_size, adv_scale=adv_scale)
     rewards, valid = rewards_tensor(rollouts)
-    advantages = group_advantages(rewards, group_size, scale=adv_scale, valid=valid)
+    batch = _masked_batch(rollouts, valid, pad_id)
+    batch.advantages = _SEQUENCE_ESTIMATORS[group_advantages](rewards, valid, cfg)[:, None].expand_as(batch.loss_mask)
+    return batch
+
+
+def _masked_batch(rollouts: Sequence[Rollout], valid: torch.Tensor, pad_id: int) -> TrainBatch:
     batch = collate_rollouts(rollouts, pad_id)
     batch.loss_mask = batch.loss_mask * valid[:, None].float()
-    batch.advantages = advantages[:, None].expand_as(batch.loss_mask)
     return batch
+
+
+def make_experience(run: "Run", rollouts: Sequence[Rollout]) -> tuple[TrainBatch, dict[str, float]]:
+    """The TrainBatch the learner steps on, and the metrics of making it.
+
+    Samples without a reward are left out of every baseline and of the loss (loss-mask 0).
+    Old log-probs are computed by the learner only when the batch is learned more than
+    once (PPO epochs, mini-batches) or the KL enters the reward; otherwise the loss takes
+    the current ones, detached, at no extra cost.
+    """
+    cfg = run.cfg.algo
+    rewards, valid = rewards_tensor(rollouts)
+    batch = _masked_batch(rollouts, valid, run.pad_id)
+    metrics: dict[str, float] = {}
+    if run.reference_logprobs is not None:
+        batch.ref_logprobs = run.reference_logprobs(batch)
+    if cfg.epochs * cfg.minibatches > 1 or (cfg.kl_in_reward and cfg.kl_coef > 0):
+        batch.old_logprobs = run.learner.logprobs(batch)
+    estimator = run.algorithm.advantage
+    if estimator in _SEQUENCE_ESTIMATORS:
+        advantages = _SEQUENCE_ESTIMATORS[estimator](rewards, valid, cfg)
+        batch.advantages = advantages[:, None].expand_as(batch.loss_mask)
+        return batch, metrics
+    scores = torch.where(valid, rewards, torch.zeros_like(rewards))
+    if run.algorithm.baseline is not None:
+        scores = run.algorithm.baseline(rewards, cfg.group_size, valid=valid)
+    token_rewards = _token_rewards(run, batch, scores, metrics)
+    if estimator is gae:
+        batch.values = run.critic.values(batch)
+        advantages, batch.returns = gae(token_rewards, batch.values, batch.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
+        batch.advantages = masked_whiten(advantages, batch.loss_mask)
+    elif estimator is reinforce_pp_advantages:
+        batch.advantages = reinforce_pp_advantages(token_rewards, batch.loss_mask, gamma=cfg.gamma)
+    else:
+        raise ValueError(f"no experience maker for the advantage estimator of {run.algorithm.name!r}")
+    return batch, metrics
+
+
+def _token_rewards(run: "Run", batch: TrainBatch, scores: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+    """Each sequence's score on its last token, minus ``kl_coef * k1`` per token when the
+    KL is in the reward (``algo.kl_in_reward``)."""
+    cfg = run.cfg.algo
+    if not (cfg.kl_in_reward and cfg.kl_coef > 0):
+        return last_token_rewards(scores, batch.loss_mask)
+    kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kind="k1")
+    coef = run.kl.coef
+    metrics["kl"] = float(masked_mean(kl, batch.loss_mask))
+    metrics["kl_coef"] = coef
+    # the adaptive controller targets the KL of a whole sequence (Ziegler et al. 2019)
+    run.kl.observe(float((kl * batch.loss_mask).sum() / batch.loss_mask.any(1).sum().clamp(min=1)), len(batch))
+    return kl_shaped_rewards(scores, kl, batch.loss_mask, kl_coef=coef)
 
 
 def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, float]:
@@ -48,14 +133,15 @@ def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, f
         "length/max": float(lengths.max()),
         "length/clipped_frac": float(clipped.mean()),
     }
-    # spread over each group's valid rewards only (a missing one is NaN and would make the
-    # whole group's max NaN); a group with under two valid rewards has no baseline, hence
-    # zero advantages, and counts as zero-std
-    grouped, ok = rewards.view(-1, group_size), valid.view(-1, group_size)
-    top = torch.where(ok, grouped, -torch.inf).amax(1)
-    bottom = torch.where(ok, grouped, torch.inf).amin(1)
-    spread = torch.where(ok.sum(1) >= 2, top - bottom, 0.0)
-    metrics["groups/zero_std_frac"] = float((spread == 0).float().mean())
+    if group_size > 1:
+        # spread over each group's valid rewards only (a missing one is NaN and would make
+        # the whole group's max NaN); a group with under two valid rewards has no
+        # baseline, hence zero advantages, and counts as zero-std
+        grouped, ok = rewards.view(-1, group_size), valid.view(-1, group_size)
+        top = torch.where(ok, grouped, -torch.inf).amax(1)
+        bottom = torch.where(ok, grouped, torch.inf).amin(1)
+        spread = torch.where(ok.sum(1) >= 2, top - bottom, 0.0)
+        metrics["groups/zero_std_frac"] = float((spread == 0).float().mean())
     names = {name for r in rollouts for name in r.rewards}
     for name in sorted(names):
         values = torch.tensor(

@@ -15,14 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-from rltune.algos import Algorithm
+from rltune.algos import Algorithm, groups_with_spread, overlong_penalty
 from rltune.config.schema import Config
-from rltune.data.collate import collate_sft
 from rltune.data.records import Prompt, Rollout, SamplingParams, TrainBatch
 from rltune.data.sampler import PromptSampler
 from rltune.metrics.sinks import ConsoleProgress, JsonlWriter
 from rltune.runtime.evaluate import evaluate
-from rltune.runtime.experience import grpo_experience, rollout_metrics
+from rltune.runtime.experience import make_experience, rewards_tensor, rollout_metrics
 from rltune.runtime.state import restore, save
 
 
@@ -38,6 +37,7 @@ class Scorer(Protocol):
 class Learner(Protocol):
     version: int
     def step(self, batch: TrainBatch) -> dict[str, float]: ...
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
     def export_weights(self) -> dict[str, torch.Tensor]: ...
 
 
@@ -62,6 +62,12 @@ class Run:
     """Bad rows skipped under ``data.on_bad_row: skip``, one line per data source."""
     reference_logprobs: Any = None
     """``(TrainBatch) -> [B, C]`` log-probs under the frozen reference, when one is loaded."""
+    critic: Any = None
+    """PPO's value learner: ``step(batch)``, ``values(batch) -> [B, C]``."""
+    kl: Any = None
+    """The KL coefficient of ``algo.kl_in_reward``: ``coef``, ``observe(kl, n)`` (runtime/kl.py)."""
+    collate: Any = None
+    """Offline algorithms: ``(prompts) -> TrainBatch``."""
     state: Any = None
     """What a checkpoint restores besides the model: see ``runtime/state.py``."""
     step: int = 0
@@ -107,29 +113,18 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, float]:
     online), learn on it, publish the new weights."""
     cfg = run.cfg
     clock = _Clock()
-    prompts = [run.train_prompts[i] for i in run.sampler.next_batch(cfg.train.prompts_per_step)]
+    prompts = _draw(run, cfg.train.prompts_per_step)
     metrics: dict[str, float] = {}
     if run.algorithm.online:
-        params = SamplingParams(
-            n=cfg.algo.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k, stop=cfg.rollout.stop,
-        )
-        rollouts = run.generator.generate(prompts, params)
-        clock.mark("generate")
-        run.scorer.score({p.id: p for p in prompts}, rollouts)
-        clock.mark("score")
-        batch = grpo_experience(
-            rollouts, group_size=cfg.algo.group_size, adv_scale=cfg.algo.adv_scale, pad_id=run.pad_id
-        )
-        if run.reference_logprobs is not None:
-            batch.ref_logprobs = run.reference_logprobs(batch)
-            clock.mark("reference")
+        prompts, rollouts = collect_rollouts(run, prompts, clock, metrics)
+        batch, made = make_experience(run, rollouts)
+        metrics.update(made)
+        clock.mark("experience")
         metrics.update(rollout_metrics(rollouts, cfg.algo.group_size))
         _write_samples(samples_log, run.step, prompts, rollouts, cfg.log.samples_per_step)
     else:
-        batch = collate_sft(prompts, run.pad_id)
-    metrics.update(run.learner.step(batch))
+        batch = run.collate(prompts)
+    metrics.update(learn(run, batch))
     clock.mark("learn")
     run.generator.load_weights(
         run.learner.version, None if run.shared_weights else run.learner.export_weights()
@@ -139,6 +134,107 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, float]:
     metrics["policy_version"] = float(run.learner.version)
     metrics["samples_per_s"] = len(batch) / metrics["time/step"]
     return metrics
+
+
+def _draw(run: Run, n: int) -> list[Prompt]:
+    return [run.train_prompts[i] for i in run.sampler.next_batch(n)]
+
+
+def collect_rollouts(
+    run: Run, prompts: list[Prompt], clock: "_Clock", metrics: dict[str, float]
+) -> tuple[list[Prompt], list[Rollout]]:
+    """Generate and score ``group_size`` samples per prompt.
+
+    With ``algo.dynamic_sampling`` (DAPO) groups whose valid rewards are all equal carry no
+    signal and are dropped; more prompts are drawn and generated, up to
+    ``algo.max_refill_rounds`` extra rounds, until ``train.prompts_per_step`` groups are
+    kept (the surplus of the last round is dropped too). The step then learns on the
+    groups it has, which may be fewer.
+    """
+    cfg = run.cfg
+    params = SamplingParams(
+        n=cfg.algo.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k, stop=cfg.rollout.stop,
+    )
+    rollouts = _generate_and_score(run, prompts, params, clock, group_offset=0)
+    if not cfg.algo.dynamic_sampling:
+        return prompts, rollouts
+    wanted, group = len(prompts), cfg.algo.group_size
+    drawn, rounds = len(prompts), 0
+    kept_prompts, kept = _groups_with_signal(prompts, rollouts, group)
+    while len(kept_prompts) < wanted and rounds < cfg.algo.max_refill_rounds:
+        rounds += 1
+        more = _draw(run, wanted - len(kept_prompts))
+        new = _generate_and_score(run, more, params, clock, group_offset=drawn)
+        drawn += len(more)
+        more_prompts, more_rollouts = _groups_with_signal(more, new, group)
+        kept_prompts += more_prompts
+        kept += more_rollouts
+    metrics["groups/kept_frac"] = len(kept_prompts) / drawn
+    metrics["groups/refill_rounds"] = float(rounds)
+    return kept_prompts[:wanted], kept[: wanted * group]
+
+
+def _generate_and_score(
+    run: Run, prompts: list[Prompt], params: SamplingParams, clock: "_Clock", *, group_offset: int
+) -> list[Rollout]:
+    rollouts = run.generator.generate(prompts, params, group_offset=group_offset)
+    clock.mark("generate")
+    run.scorer.score({p.id: p for p in prompts}, rollouts)
+    if run.cfg.algo.overlong_buffer:
+        _apply_overlong_penalty(run, rollouts)
+    clock.mark("score")
+    return rollouts
+
+
+def _apply_overlong_penalty(run: Run, rollouts: list[Rollout]) -> None:
+    """DAPO's soft overlong punishment added to every scored sample (``reward/overlong``)."""
+    a = run.cfg.algo
+    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
+    penalty = overlong_penalty(
+        lengths, max_len=run.cfg.rollout.max_new_tokens, buffer=a.overlong_buffer, penalty=a.overlong_penalty
+    ).tolist()
+    for r, p in zip(rollouts, penalty):
+        r.rewards["overlong"] = p
+        if r.reward is not None:
+            r.reward += p
+
+
+def _groups_with_signal(
+    prompts: list[Prompt], rollouts: list[Rollout], group_size: int
+) -> tuple[list[Prompt], list[Rollout]]:
+    rewards, valid = rewards_tensor(rollouts)
+    keep = groups_with_spread(rewards, group_size, valid=valid).tolist()
+    return (
+        [p for p, k in zip(prompts, keep) if k],
+        [r for i, r in enumerate(rollouts) if keep[i // group_size]],
+    )
+
+
+def learn(run: Run, batch: TrainBatch) -> dict[str, float]:
+    """``algo.epochs`` passes over ``batch``, each in ``algo.minibatches`` optimizer steps
+    on a shuffled split; the critic (PPO) steps on the same mini-batch first, and during
+    ``algo.critic_warmup_steps`` it is the only one that steps. Returns the mean metrics
+    of the updates (critic metrics prefixed ``critic/``)."""
+    a = run.cfg.algo
+    if len(batch) == 0:
+        return {"learn/empty_batch": 1.0}
+    updates: list[dict[str, float]] = []
+    for _ in range(a.epochs):
+        order = (
+            torch.randperm(len(batch), generator=run.state.generators["minibatch"])
+            if a.minibatches > 1 else torch.arange(len(batch))
+        )
+        for rows in order.chunk(a.minibatches):
+            mb = batch.select(rows) if a.minibatches > 1 else batch
+            metrics: dict[str, float] = {}
+            if run.critic is not None:
+                metrics.update({f"critic/{k}": v for k, v in run.critic.step(mb).items()})
+            if run.step > a.critic_warmup_steps:
+                metrics.update(run.learner.step(mb))
+            updates.append(metrics)
+    return {k: sum(u[k] for u in updates) / len(updates) for k in updates[-1]}
 
 
 def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:

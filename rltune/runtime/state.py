@@ -14,6 +14,7 @@ from rltune.checkpoint.state import (
     scheduler_from_state,
     scheduler_to_state,
 )
+from rltune.checkpoint.model import model_from_state, model_to_state
 from rltune.checkpoint.store import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
@@ -26,24 +27,35 @@ def checkpoint_root(run: "Run") -> Path:
 
 def save(run: "Run") -> Path:
     """Checkpoint ``run`` at its current step (``RUN/checkpoints/step-N``)."""
-    learner = run.learner
-    opt_tensors, opt_meta = optimizer_to_state(learner.optimizer)
     rng_tensors, rng_meta = rng_to_state(run.state.generators)
+    tensors, meta = _learner_state(run.learner, "")
+    tensors["rng"] = rng_tensors
+    meta.update({"step": run.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.sampler.state_dict()})
+    if run.critic is not None:
+        critic_tensors, critic_meta = _learner_state(run.critic, "critic_")
+        tensors.update(critic_tensors)
+        meta.update(critic_meta)
+    if run.kl is not None:
+        meta["kl_coef"] = run.kl.coef
+    return save_checkpoint(checkpoint_root(run), run.step, tensors=tensors, meta=meta, keep=run.cfg.checkpoint.keep)
+
+
+def _learner_state(learner, prefix: str) -> tuple[dict, dict]:
+    """A learner's model, optimizer, schedule and counters, keys prefixed by ``prefix``."""
+    opt_tensors, opt_meta = optimizer_to_state(learner.optimizer)
+    model_tensors, model_meta = model_to_state(learner.model)
+    tensors = {f"{prefix}model": model_tensors, f"{prefix}optimizer": opt_tensors}
     meta = {
-        "step": run.step,
-        "name": run.cfg.name,
-        "optimizer": opt_meta,
-        "scheduler": scheduler_to_state(learner.schedule),
-        "rng": rng_meta,
-        "sampler": run.sampler.state_dict(),
-        "learner": {
+        f"{prefix}model": model_meta,
+        f"{prefix}optimizer": opt_meta,
+        f"{prefix}scheduler": scheduler_to_state(learner.schedule),
+        f"{prefix}learner": {
             "version": learner.version,
             "nonfinite_in_a_row": learner.nonfinite_in_a_row,
             "nonfinite_total": learner.nonfinite_total,
         },
     }
-    tensors = {"model": learner.model.state_dict(), "optimizer": opt_tensors, "rng": rng_tensors}
-    return save_checkpoint(checkpoint_root(run), run.step, tensors=tensors, meta=meta, keep=run.cfg.checkpoint.keep)
+    return tensors, meta
 
 
 def restore(run: "Run") -> bool:
@@ -68,36 +80,27 @@ def restore(run: "Run") -> bool:
 
 def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     learner = run.learner
-    missing, unexpected = learner.model.load_state_dict(tensors["model"], strict=False)
-    # tied weights are stored once; anything else missing means a different model
-    missing = [k for k in missing if k not in _tied_keys(learner.model)]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: the checkpoint does not match model.path={run.cfg.model.path!r} "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    optimizer_from_state(learner.optimizer, tensors["optimizer"], meta["optimizer"])
-    scheduler_from_state(learner.schedule, meta["scheduler"])
+    _apply_learner(run, learner, tensors, meta, path, "")
+    if run.critic is not None:
+        if "critic_model" not in tensors:
+            raise CheckpointError(f"{path} holds no critic; it was not written by a run of algo {run.cfg.algo.name!r}")
+        _apply_learner(run, run.critic, tensors, meta, path, "critic_")
+    if run.kl is not None:
+        run.kl.coef = float(meta["kl_coef"])
     rng_from_state(tensors["rng"], meta["rng"], run.state.generators)
     try:
         run.sampler.load_state_dict(meta["sampler"])
     except ValueError as err:  # another seed or dataset: the user's to fix, shown without a traceback
         raise CheckpointError(f"{path}: {err}") from None
-    learner.version = meta["learner"]["version"]
-    learner.nonfinite_in_a_row = meta["learner"]["nonfinite_in_a_row"]
-    learner.nonfinite_total = meta["learner"]["nonfinite_total"]
     run.step = int(meta["step"])
     run.generator.load_weights(learner.version, None if run.shared_weights else learner.export_weights())
 
 
-def _tied_keys(model) -> set[str]:
-    """Parameter names that share storage with an earlier name (e.g. a tied lm_head)."""
-    seen: dict[int, str] = {}
-    tied = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        ptr = tensor.data_ptr()
-        if ptr in seen:
-            tied.add(name)
-        else:
-            seen[ptr] = name
-    return tied
+def _apply_learner(run: "Run", learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+    model_from_state(learner.model, tensors[f"{prefix}model"], meta[f"{prefix}model"], where=f"{path} ({prefix}model)")
+    optimizer_from_state(learner.optimizer, tensors[f"{prefix}optimizer"], meta[f"{prefix}optimizer"])
+    scheduler_from_state(learner.schedule, meta[f"{prefix}scheduler"])
+    counters = meta[f"{prefix}learner"]
+    learner.version = counters["version"]
+    learner.nonfinite_in_a_row = counters["nonfinite_in_a_row"]
+    learner.nonfinite_total = counters["nonfinite_total"]

@@ -146,7 +146,7 @@ def test_invalid_values_all_listed(tmp_path):
         """\
         reward: [{fn: 'a:b'}]
         train: {steps: -1, lr: fast, threads: many}
-        algo: {name: ppo}
+        algo: {name: pppo}
         rollout: {top_p: 2, stop: END}
         model: 5
         """,
@@ -156,7 +156,7 @@ def test_invalid_values_all_listed(tmp_path):
         "train.steps: must be >= 0 (got -1)",
         "train.lr: must be a valid number, unable to parse string as a number (got 'fast')",
         "train.threads: must be a valid integer, unable to parse string as an integer (got 'many')",
-        "algo.name: must be 'grpo' or 'sft' (got 'ppo')",
+        "algo.name: must be 'grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'ppo', 'sft', 'dpo', 'simpo' or 'reward_model' (got 'pppo')",
         "rollout.top_p: must be <= 1.0 (got 2)",
         "rollout.stop: must be a list (got 'END')",
         "model: must be a mapping of keys (got 5)",
@@ -263,3 +263,13 @@ def test_round_trip_of_resolved_config(tmp_path):
 def test_config_package_imports_no_torch():
     code = "import sys, rltune.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+
+
+def test_algorithm_presets_fill_only_what_the_user_left_unset() -> None:
+    dapo = load_config(None, ["algo.name=dapo", "reward=[{fn: builtin:exact_numeric}]"]).algo
+    assert (dapo.clip_low, dapo.clip_high, dapo.dynamic_sampling) == (0.2, 0.28, True)
+    mine = load_config(None, ["algo.name=dapo", "algo.clip_high=0.3", "reward=[{fn: builtin:exact_numeric}]"]).algo
+    assert mine.clip_high == 0.3 and mine.dynamic_sampling
+    dr = load_config(None, ["algo.name=dr_grpo", "reward=[{fn: builtin:exact_numeric}]"]).algo
+    assert (dr.adv_scale, dr.aggregation) == ("none", "seq-mean-token-sum-norm")
+    assert load_config(None, ["algo.name=grpo", "reward=[{fn: builtin:exact_numeric}]"]).algo.clip_high == 0.2

@@ -102,3 +102,12 @@ def test_split_invariants(seed: int, budget: int) -> None:
             mb_comp = mb.attention_mask[i, mb.prompt_len :].bool()
             assert torch.equal(mb.loss_mask[i][mb_comp], batch.loss_mask[row][comp])
             assert float(mb.loss_mask[i][~mb_comp].abs().sum()) == 0.0
+
+
+def test_units_of_two_rows_stay_together_in_order() -> None:
+    # units (rows 0,1) max length 7 and (rows 2,3) max length 5. Budget 14 fits one unit
+    # of 2 x 7 but not both (4 x 7 = 28): two micro-batches, the longer unit first.
+    mbs = split_by_tokens(hand_batch(), 14, unit=2)
+    assert [mb.versions.tolist() for mb in mbs] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="units of 3"):
+        split_by_tokens(hand_batch(), 14, unit=3)
