@@ -91,6 +91,8 @@ ONLINE_ALGOS = frozenset(
 """Algorithms that generate and score rollouts every step (the registry says the same)."""
 GROUP_BASELINE_ALGOS = ONLINE_ALGOS - {"ppo", "reinforce_pp"}
 """Algorithms whose baseline is the other samples of the same prompt."""
+TOKEN_REWARD_ALGOS = frozenset({"ppo", "reinforce_pp", "reinforce_pp_baseline"})
+"""Algorithms with per-token rewards, where a KL penalty can go into the reward."""
 
 
 class AlgoConfig(_Section):
@@ -272,6 +274,8 @@ class Config(_Section):
         name = self.algo.name
         if name in ONLINE_ALGOS and not self.reward:
             raise ValueError(f"algo.name={name} needs at least one entry in `reward`")
+        for problem in _algo_problems(self.algo):
+            raise ValueError(problem)
         if name == "gspo" and self.algo.aggregation != "seq-mean-token-mean":
             raise ValueError(
                 "algo.name=gspo averages one ratio per sequence; algo.aggregation must be "
@@ -282,3 +286,20 @@ class Config(_Section):
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name {self.name!r} must be a plain directory name")
         return self
+
+
+def _algo_problems(a: AlgoConfig) -> list[str]:
+    """Combinations of ``algo`` keys that would silently do nothing or fail mid-run."""
+    problems = []
+    if a.kl_in_reward and a.name not in TOKEN_REWARD_ALGOS:
+        problems.append(
+            f"algo.kl_in_reward needs per-token rewards ({', '.join(sorted(TOKEN_REWARD_ALGOS))}); "
+            f"for {a.name} put the KL in the loss (kl_in_reward: false)"
+        )
+    if a.kl_target is not None and not (a.kl_in_reward and a.kl_coef > 0):
+        problems.append("algo.kl_target adapts the KL in the reward: set algo.kl_in_reward: true and algo.kl_coef > 0")
+    if a.dual_clip is not None and a.name == "gspo":
+        problems.append("algo.dual_clip applies to token ratios; gspo clips one ratio per sequence")
+    if a.label_smoothing > 0 and a.dpo_kind in ("ipo", "hinge"):
+        problems.append(f"algo.label_smoothing is for dpo_kind sigmoid or robust, not {a.dpo_kind}")
+    return problems

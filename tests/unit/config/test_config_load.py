@@ -273,3 +273,17 @@ def test_algorithm_presets_fill_only_what_the_user_left_unset() -> None:
     dr = load_config(None, ["algo.name=dr_grpo", "reward=[{fn: builtin:exact_numeric}]"]).algo
     assert (dr.adv_scale, dr.aggregation) == ("none", "seq-mean-token-sum-norm")
     assert load_config(None, ["algo.name=grpo", "reward=[{fn: builtin:exact_numeric}]"]).algo.clip_high == 0.2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["algo.name=grpo", "algo.kl_coef=0.1", "algo.kl_in_reward=true"], "kl_in_reward needs per-token rewards"),
+        (["algo.name=ppo", "algo.kl_target=0.1"], "kl_target adapts the KL in the reward"),
+        (["algo.name=gspo", "algo.dual_clip=3"], "gspo clips one ratio per sequence"),
+        (["algo.name=dpo", "algo.dpo_kind=ipo", "algo.label_smoothing=0.1"], "not ipo"),
+    ],
+)
+def test_key_combinations_that_would_do_nothing_are_errors(overrides, fragment) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, [*overrides, "reward=[{fn: builtin:exact_numeric}]"])
