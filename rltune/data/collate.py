@@ -66,3 +66,45 @@ def collate_sft(prompts: Sequence[Prompt], pad_id: int) -> TrainBatch:
         prompt_len=prompt_len,
         loss_mask=attention_mask[:, prompt_len:].float(),
     )
+
+
+def collate_pairs(
+    prompts: Sequence[Prompt], pad_id: int, ref_logps: torch.Tensor | None = None
+) -> TrainBatch:
+    """A TrainBatch of preference pairs, two rows per prompt, interleaved
+    ``[chosen_0, rejected_0, chosen_1, rejected_1, ...]``: both rows of a pair hold the
+    same prompt ids, then ``meta["chosen_ids"]`` or ``meta["rejected_ids"]`` (EOS
+    included). The loss mask covers the completion tokens.
+
+    ``ref_logps`` ``[len(prompts), 2]`` (the reference model's summed log-probs of each
+    prompt's chosen and rejected completion, in that order) becomes ``ref_seq_logps``
+    ``[2 * len(prompts)]`` in the same interleaved order; None leaves it unset.
+    """
+    if not prompts:
+        raise ValueError("collate_pairs: no prompts")
+    if ref_logps is not None and tuple(ref_logps.shape) != (len(prompts), 2):
+        raise ValueError(
+            f"collate_pairs: ref_logps has shape {tuple(ref_logps.shape)}, expected "
+            f"({len(prompts)}, 2): one (chosen, rejected) pair per prompt"
+        )
+    prompt_ids, completions = [], []
+    for p in prompts:
+        if "chosen_ids" not in p.meta or "rejected_ids" not in p.meta:
+            raise ValueError(
+                f"collate_pairs: prompt {p.id!r} has no chosen_ids / rejected_ids in its meta; "
+                f"load preference data with load_prompts(..., with_pairs=True)"
+            )
+        ids = torch.tensor(p.input_ids, dtype=torch.long)
+        prompt_ids += [ids, ids]
+        completions += [
+            torch.tensor(p.meta["chosen_ids"], dtype=torch.long),
+            torch.tensor(p.meta["rejected_ids"], dtype=torch.long),
+        ]
+    input_ids, attention_mask, prompt_len = join(prompt_ids, completions, pad_id)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_len=prompt_len,
+        loss_mask=attention_mask[:, prompt_len:].float(),
+        ref_seq_logps=None if ref_logps is None else ref_logps.float().reshape(-1),
+    )

@@ -16,6 +16,19 @@ other fields go into ``Prompt.meta`` unchanged, except the completion field
 generated text. With ``with_completion=True`` (SFT) ``meta["completion"]`` is the target
 text and ``meta["completion_ids"]`` its tokens followed by EOS.
 
+With ``with_pairs=True`` (DPO, SimPO, reward-model training) every row is a preference
+pair: besides the prompt, ``data.chosen_field`` and ``data.rejected_field`` each hold the
+response as a string, or as a list of messages that ends with the one ``assistant``
+message of the response, optionally preceded by the prompt's own messages (the
+conversational format that repeats the prompt; with a string prompt, that prefix is
+``[{"role": "user", "content": PROMPT}]``). A response renders as an SFT target does, its
+content's tokens followed by EOS, right after the rendered prompt, which the two
+responses share token for token; this is also exactly what the policy emits when it
+generates that response. ``meta["chosen"]`` / ``meta["rejected"]`` are the response
+texts and ``meta["chosen_ids"]`` / ``meta["rejected_ids"]`` their tokens; the two raw
+fields are not kept in meta. A pair whose two responses have the same tokens is a bad
+row: it states no preference, and every preference loss gets no gradient from it.
+
 Ids are the ``data.id_field`` value as a string, or ``NAME:ROW`` (NAME the file's base
 name, or ``TASK/SPLIT`` for built-ins; ROW 1-based). A bad row stops loading with a
 :class:`DataError` that names the source, the row and the config key to change, or, with
@@ -81,9 +94,19 @@ class _BadRow(Exception):
 
 
 def load_prompts(
-    source: str, cfg: DataConfig, tokenizer: Any, *, with_completion: bool = False
+    source: str,
+    cfg: DataConfig,
+    tokenizer: Any,
+    *,
+    with_completion: bool = False,
+    with_pairs: bool = False,
 ) -> PromptSet:
-    """Read, check and tokenise every row of ``source`` (see the module docstring)."""
+    """Read, check and tokenise every row of ``source`` (see the module docstring).
+
+    ``with_completion``: rows carry an SFT target; ``with_pairs``: rows are preference
+    pairs. At most one of them."""
+    if with_completion and with_pairs:
+        raise ValueError("load_prompts: with_completion and with_pairs exclude each other")
     name, rows = _open_source(source)
     prompts: list[Prompt] = []
     skip_examples: list[str] = []
@@ -91,7 +114,9 @@ def load_prompts(
     seen_ids: dict[str, int] = {}
     for raw in rows:
         try:
-            prompt = _row_to_prompt(raw, name, cfg, tokenizer, with_completion=with_completion)
+            prompt = _row_to_prompt(
+                raw, name, cfg, tokenizer, with_completion=with_completion, with_pairs=with_pairs
+            )
             _check_unique_id(prompt.id, raw.number, seen_ids)
         except _BadRow as bad:
             message = f"{source}: row {raw.number}: {bad.problem}; {bad.hint}, {_SKIP_HINT}"
@@ -204,13 +229,27 @@ def _import_extra(module: str, *, what: str) -> ModuleType:
 
 
 def _row_to_prompt(
-    raw: _RawRow, name: str, cfg: DataConfig, tokenizer: Any, *, with_completion: bool
+    raw: _RawRow,
+    name: str,
+    cfg: DataConfig,
+    tokenizer: Any,
+    *,
+    with_completion: bool,
+    with_pairs: bool = False,
 ) -> Prompt:
     if raw.fields is None:
         raise _BadRow(str(raw.problem), "fix or remove the line")
     row = raw.fields
     messages, text = _parse_prompt_field(row, cfg.prompt_field)
-    meta = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.completion_field)}
+    not_meta = {cfg.prompt_field, cfg.completion_field}
+    if with_pairs:
+        not_meta |= {cfg.chosen_field, cfg.rejected_field}
+    meta = {k: v for k, v in row.items() if k not in not_meta}
+    if with_pairs:
+        # the prompt as messages, to recognise it at the head of a conversational response
+        asked = messages if messages is not None else [{"role": "user", "content": text}]
+        meta["chosen"] = _response_text(row, cfg.chosen_field, asked, "data.chosen_field")
+        meta["rejected"] = _response_text(row, cfg.rejected_field, asked, "data.rejected_field")
     if with_completion:
         meta["completion"] = _completion_text(row, cfg.completion_field)
     prompt = Prompt(
@@ -228,6 +267,15 @@ def _row_to_prompt(
     prompt.input_ids = ids
     if with_completion:
         meta["completion_ids"] = encode_completion(tokenizer, meta["completion"])
+    if with_pairs:
+        meta["chosen_ids"] = encode_completion(tokenizer, meta["chosen"])
+        meta["rejected_ids"] = encode_completion(tokenizer, meta["rejected"])
+        if meta["chosen_ids"] == meta["rejected_ids"]:
+            raise _BadRow(
+                f"the chosen and rejected responses are the same ({len(meta['chosen_ids'])} "
+                f"tokens); a tie states no preference",
+                "remove the row or check data.chosen_field / data.rejected_field",
+            )
     return prompt
 
 
@@ -257,7 +305,7 @@ def _parse_prompt_field(
 def _parse_messages(value: list[Any], key: str) -> list[dict[str, str]]:
     hint = "each message must be {\"role\": str, \"content\": str}"
     if not value:
-        raise _BadRow(f"the prompt field {key!r} is an empty list of messages", hint)
+        raise _BadRow(f"the field {key!r} is an empty list of messages", hint)
     messages = []
     for i, m in enumerate(value, 1):
         if not isinstance(m, dict):
@@ -274,7 +322,7 @@ def _parse_messages(value: list[Any], key: str) -> list[dict[str, str]]:
             )
         messages.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in messages):
-        raise _BadRow(f"every message of the prompt field {key!r} is empty", hint)
+        raise _BadRow(f"every message of the field {key!r} is empty", hint)
     return messages
 
 
@@ -300,6 +348,44 @@ def _completion_text(row: dict[str, Any], key: str) -> str:
         raise _BadRow(f"the completion field {key!r} must be a non-empty string, got {value!r}",
                       hint)
     return value
+
+
+def _response_text(
+    row: dict[str, Any], key: str, prompt_messages: list[dict[str, str]], setting: str
+) -> str:
+    """The text of the response in ``row[key]``: a string, or a list of messages that is
+    one assistant message, optionally after a copy of ``prompt_messages``."""
+    hint = f"check {setting}"
+    value = row.get(key)
+    if value is None:
+        raise _BadRow(
+            f"no response field {key!r} (or it is null); the row has fields {sorted(row)}", hint
+        )
+    if isinstance(value, str):
+        if not value:
+            raise _BadRow(f"the response field {key!r} is an empty string", hint)
+        return value
+    if not isinstance(value, list):
+        raise _BadRow(
+            f"the response field {key!r} must be a string or a list of {{role, content}} "
+            f"messages, got {type(value).__name__}",
+            hint,
+        )
+    messages = _parse_messages(value, key)
+    n = len(prompt_messages)
+    if len(messages) > 1 and messages[:n] == prompt_messages:
+        messages = messages[n:]
+    if len(messages) != 1 or messages[0]["role"] != "assistant":
+        roles = [m["role"] for m in messages]
+        raise _BadRow(
+            f"the response field {key!r} must end with the one assistant message of the "
+            f"response, after nothing or after exactly the prompt's messages; after "
+            f"removing a leading copy of the prompt its roles are {roles}",
+            f"{hint}; the conversation before the response belongs in data.prompt_field",
+        )
+    if not messages[0]["content"]:
+        raise _BadRow(f"the assistant message of {key!r} is empty", hint)
+    return messages[0]["content"]
 
 
 def _check_unique_id(prompt_id: str, number: int, seen: dict[str, int]) -> None:

@@ -95,6 +95,9 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # [B, C]
     values: torch.Tensor | None = None  # [B, C]
     versions: torch.Tensor | None = None  # [B] long
+    ref_seq_logps: torch.Tensor | None = None  # [B] float32
+    """Preference pairs: each row's completion log-prob summed over its tokens under the
+    frozen reference model (rows ``2k``, ``2k + 1`` are pair ``k``'s chosen and rejected)."""
 
     @property
     def completion_len(self) -> int:
@@ -149,6 +152,7 @@ _OPTIONAL_ROW_FIELDS = (
     "returns",
     "values",
     "versions",
+    "ref_seq_logps",
 )
 
 

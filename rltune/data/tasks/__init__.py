@@ -11,7 +11,13 @@ task                    problems                                             row
                                                                              eval 300
 ``arith_small``         ``a+b=``, operands 0..9                              train 80,
                                                                              eval 10
+``arith_prefs``         preference pairs over ``arith``'s problems: chosen   train 4000,
+                        the sum, rejected a plausible mistake (dropped       eval 300
+                        carry, off by one, swapped digits)
 ======================  ===================================================  ===========
+
+Preference tasks have ``chosen`` and ``rejected`` instead of ``completion``; load them
+with ``load_prompts(..., with_pairs=True)``.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 from typing import Callable
 
 from rltune.data.tasks.arith import arith, arith_small
+from rltune.data.tasks.arith_prefs import arith_prefs
 
 TASKS: dict[str, Callable[[str], list[dict[str, str]]]] = {
     "arith": arith,
     "arith_small": arith_small,
+    "arith_prefs": arith_prefs,
 }

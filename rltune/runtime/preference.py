@@ -1,0 +1,128 @@
+"""The parts of an offline preference run (``algo.name`` dpo, simpo or reward_model):
+model, objective, pair data, collate and held-out evaluation, wired from the config.
+
+The loop draws prompts as for SFT and calls ``parts.collate(prompts)`` instead of
+``collate_sft``; ``parts.evaluate(model)`` gives the held-out preference metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltune.config.schema import Config
+from rltune.data.collate import collate_pairs
+from rltune.data.loaders import PromptSet, load_prompts
+from rltune.data.records import Prompt, TrainBatch
+from rltune.learner.objectives import Objective
+from rltune.learner.preference import (
+    REFERENCE_FILE,
+    ContextFactory,
+    ReferenceLogps,
+    evaluate_pairs,
+    load_or_compute_reference,
+    preference_method,
+)
+from rltune.models.load import load_model
+from rltune.models.reward_model import load_reward_model
+
+
+@dataclass
+class PreferenceParts:
+    """What a preference run trains and how it feeds and judges it.
+
+    ``collate(prompts)`` makes the interleaved pair batch (with the cached reference
+    log-probs for DPO); ``evaluate(model)`` returns ``eval/pref/accuracy`` and
+    ``eval/pref/margin`` on the eval split, or ``{}`` without one. ``reference`` is the
+    DPO reference cache (None for the reference-free methods).
+    """
+
+    model: torch.nn.Module
+    objective: Objective
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt] | None
+    collate: Callable[[Sequence[Prompt]], TrainBatch]
+    evaluate: Callable[[torch.nn.Module], dict[str, float]]
+    reference: ReferenceLogps | None = None
+    data_warnings: list[str] = field(default_factory=list)
+
+
+def build_preference_parts(
+    cfg: Config,
+    *,
+    model_dir: str,
+    tokenizer: Any,
+    run_dir: Path,
+    reference_context: ContextFactory | None = None,
+    model: torch.nn.Module | None = None,
+) -> PreferenceParts:
+    """Load the pair data and the model for ``cfg.algo.name`` and wire them.
+
+    The model is the causal LM in ``model_dir`` (dpo, simpo) or a reward model on it
+    (reward_model, a new score head seeded with ``train.seed``), unless ``model`` is
+    given (e.g. already wrapped with LoRA). For DPO the reference is that model as it is
+    now, under ``reference_context`` when given; its log-probs of every train and eval
+    pair are read from or written to ``run_dir / reference_logps.safetensors``, so call
+    this before any training step or checkpoint restore.
+    """
+    method = preference_method(cfg.algo.name)
+    train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_pairs=True)
+    eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, with_pairs=True) if cfg.data.eval else None
+    eval_prompts = eval_set.prompts[: cfg.eval.max_prompts] if eval_set else None
+    if model is None:
+        model = _load(cfg, model_dir, reward_model=method.scores)
+    pad_id = tokenizer.pad_token_id
+    budget = cfg.train.micro_batch_tokens
+    reference = None
+    if method.needs_reference:
+        splits = {"train": train_set.prompts, **({"eval": eval_prompts} if eval_prompts else {})}
+        reference = load_or_compute_reference(
+            Path(run_dir) / REFERENCE_FILE, model, splits, pad_id, budget=budget,
+            context=reference_context,
+        )
+    objective = method.objective(cfg.algo)
+    rewards = method.rewards(cfg.algo)
+    train_ref = reference.splits["train"] if reference else None
+    eval_ref = reference.splits.get("eval") if reference else None
+    row_of = {p.id: i for i, p in enumerate(train_set.prompts)}
+
+    def collate(prompts: Sequence[Prompt]) -> TrainBatch:
+        ref = None if train_ref is None else train_ref[torch.tensor([row_of[p.id] for p in prompts])]
+        return collate_pairs(prompts, pad_id, ref)
+
+    def evaluate(model_: torch.nn.Module) -> dict[str, float]:
+        if not eval_prompts:
+            return {}
+        return evaluate_pairs(
+            model_, eval_prompts, pad_id, forward=objective.forward, rewards=rewards,
+            budget=budget, ref_logps=eval_ref,
+        )
+
+    return PreferenceParts(
+        model=model,
+        objective=objective,
+        train_prompts=train_set.prompts,
+        eval_prompts=eval_prompts,
+        collate=collate,
+        evaluate=evaluate,
+        reference=reference,
+        data_warnings=_skip_warnings(train_set, eval_set),
+    )
+
+
+def _load(cfg: Config, model_dir: str, *, reward_model: bool) -> torch.nn.Module:
+    common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    if reward_model:
+        return load_reward_model(model_dir, seed=cfg.train.seed, **common)
+    return load_model(model_dir, **common)
+
+
+def _skip_warnings(*sets: PromptSet | None) -> list[str]:
+    return [
+        f"data: skipped {s.skipped} bad rows of {s.source}; first: {s.skip_examples[0]}"
+        for s in sets if s is not None and s.skipped
+    ]
