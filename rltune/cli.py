@@ -54,21 +54,22 @@ def _print_eval_summary(run, console: Console) -> None:
 
     evals = [
         rec for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()
-        if (rec := json.loads(line)) and any(k.startswith("eval/reward/") for k in rec)
+        if (rec := json.loads(line)) and any(k.startswith(_HELD_OUT) for k in rec)
     ]
     if len(evals) < 1:
         return
     first, last = evals[0], evals[-1]
-    for key in sorted(k for k in last if k.startswith("eval/reward/") and k not in _NOT_PER_FN):
+    for key in sorted(k for k in last if k.startswith(_HELD_OUT) and k not in _NOT_PER_FN):
         before, after = first.get(key), last.get(key)
         if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
             continue
         console.print(
-            f"held-out {key[len('eval/reward/'):]}: step {first['step']} {before:.3f} -> "
+            f"held-out {key[len('eval/'):].removeprefix('reward/')}: step {first['step']} {before:.3f} -> "
             f"step {last['step']} {after:.3f} ({after - before:+.3f})"
         )
 
 
+_HELD_OUT = ("eval/reward/", "eval/pref/")
 _NOT_PER_FN = {"eval/reward/mean", "eval/reward/std", "eval/reward/errors"}
 
 

@@ -18,12 +18,15 @@ from rltune.data.sampler import PromptSampler
 from rltune.learner.learner import LocalLearner, predict
 from rltune.learner.objectives import build_objective, logprob_forward, value_objective
 from rltune.models.load import load_model, load_tokenizer, resolve_model, router_aux_loss_coef
+from rltune.learner.preference import PREFERENCE_METHODS
 from rltune.models.lora import adapters_disabled, apply_lora, is_lora
+from rltune.models.reward_model import load_reward_model
 from rltune.models.value import load_critic
 from rltune.rewards.scorer import LocalScorer, build_reward_fns
 from rltune.rollout.hf import HFGenerator
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.loop import Run, train
+from rltune.runtime.preference import PreferenceParts, build_preference_parts
 
 
 @dataclass
@@ -53,51 +56,90 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
     model_dir = resolve_model(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not algorithm.online)
-    eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
-    model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora)
+    run_dir = Path(cfg.log.dir) / cfg.name
+    if cfg.algo.name in PREFERENCE_METHODS:
+        parts = _preference_parts(cfg, model_dir, tokenizer, run_dir)
+        model, train_prompts, eval_prompts = parts.model, parts.train_prompts, parts.eval_prompts
+        objective, warnings = parts.objective, parts.data_warnings
+    else:
+        train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not algorithm.online)
+        eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
+        model = _policy(cfg, model_dir)
+        train_prompts = train_set.prompts
+        eval_prompts = eval_set.prompts if eval_set and reward_fns else None
+        objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+        warnings = [
+            f"data: skipped {part.skipped} bad rows of {part.source}; first: {part.skip_examples[0]}"
+            for part in (train_set, eval_set) if part is not None and part.skipped
+        ]
     aux_coef = cfg.model.router_aux_loss_coef
     if aux_coef is None:
         aux_coef = router_aux_loss_coef(model)
     updates = cfg.algo.epochs * cfg.algo.minibatches
     learner = LocalLearner(
-        model, build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens), cfg.train,
+        model, objective, cfg.train,
         temperature=cfg.rollout.temperature if algorithm.online else 1.0,
         aux_loss_coef=aux_coef, updates_per_step=updates,
     )
     rng = torch.Generator().manual_seed(cfg.train.seed)
     minibatch_rng = torch.Generator().manual_seed(cfg.train.seed + 1)
-    run_dir = Path(cfg.log.dir) / cfg.name
     save_resolved_config(cfg, run_dir)
     run = Run(
         cfg=cfg,
         algorithm=algorithm,
         run_dir=run_dir,
-        generator=HFGenerator(model, tokenizer, rng=rng),
+        # preference runs are judged without generating (a reward model cannot)
+        generator=None if cfg.algo.name in PREFERENCE_METHODS else HFGenerator(model, tokenizer, rng=rng),
         scorer=LocalScorer(reward_fns) if reward_fns else None,
         learner=learner,
-        sampler=PromptSampler(len(train_set.prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
-        train_prompts=train_set.prompts,
-        eval_prompts=eval_set.prompts if eval_set and reward_fns else None,
+        sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
         pad_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         shared_weights=True,
         state=LocalState(generators={"sampling": rng, "minibatch": minibatch_rng}),
         collate=None if algorithm.online else partial(collate_sft, pad_id=tokenizer.pad_token_id),
-        data_warnings=[
-            f"data: skipped {part.skipped} bad rows of {part.source}; first: {part.skip_examples[0]}"
-            for part in (train_set, eval_set) if part is not None and part.skipped
-        ],
+        data_warnings=warnings,
     )
-    if algorithm.requires_reference(cfg.algo.kl_coef):
+    if cfg.algo.name in PREFERENCE_METHODS:
+        run.collate, run.evaluate_model = parts.collate, parts.evaluate
+    if algorithm.online and algorithm.requires_reference(cfg.algo.kl_coef):
         run.reference_logprobs = _reference_fn(cfg, model_dir, model)
     if algorithm.needs_critic:
         run.critic = _build_critic(cfg, model_dir, updates)
     if cfg.algo.kl_in_reward:
         run.kl = KLCoefficient(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
     return run
+
+
+def _policy(cfg: Config, model_dir: str) -> torch.nn.Module:
+    model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
+
+
+def _preference_parts(cfg: Config, model_dir: str, tokenizer, run_dir: Path) -> PreferenceParts:
+    """DPO, SimPO, reward model: the model (LoRA-wrapped when configured, so that DPO's
+    reference is the base with adapters off), pairs, objective and held-out evaluation.
+    DPO's reference log-probs are computed here, before any checkpoint is restored."""
+    model = None
+    if cfg.model.lora is not None:
+        model = _preference_model(cfg, model_dir)
+    return build_preference_parts(
+        cfg, model_dir=model_dir, tokenizer=tokenizer, run_dir=run_dir,
+        reference_context=adapters_disabled if model is not None else None, model=model,
+    )
+
+
+def _preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
+    common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    lora = cfg.model.lora
+    if cfg.algo.name != "reward_model":
+        return apply_lora(load_model(model_dir, **common), lora)
+    # the new score head trains in full next to the adapters
+    keep = tuple(lora.modules_to_save or ()) + ("score",)
+    model = load_reward_model(model_dir, seed=cfg.train.seed, **common)
+    return apply_lora(model, lora.model_copy(update={"modules_to_save": keep}))
 
 
 def _build_critic(cfg: Config, model_dir: str, updates: int) -> LocalLearner:

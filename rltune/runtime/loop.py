@@ -48,7 +48,8 @@ class Run:
     cfg: Config
     algorithm: Algorithm
     run_dir: Path
-    generator: Generator
+    generator: Generator | None
+    """None for runs that never generate (preference methods)."""
     scorer: Scorer | None
     learner: Learner
     sampler: PromptSampler
@@ -68,6 +69,9 @@ class Run:
     """The KL coefficient of ``algo.kl_in_reward``: ``coef``, ``observe(kl, n)`` (runtime/kl.py)."""
     collate: Any = None
     """Offline algorithms: ``(prompts) -> TrainBatch``."""
+    evaluate_model: Any = None
+    """``(model) -> metrics`` on the held-out split, for runs not judged by generating
+    (preference methods); None evaluates by generating and scoring ``eval_prompts``."""
     state: Any = None
     """What a checkpoint restores besides the model: see ``runtime/state.py``."""
     step: int = 0
@@ -126,10 +130,11 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, float]:
         batch = run.collate(prompts)
     metrics.update(learn(run, batch))
     clock.mark("learn")
-    run.generator.load_weights(
-        run.learner.version, None if run.shared_weights else run.learner.export_weights()
-    )
-    clock.mark("sync")
+    if run.generator is not None:
+        run.generator.load_weights(
+            run.learner.version, None if run.shared_weights else run.learner.export_weights()
+        )
+        clock.mark("sync")
     metrics.update(clock.metrics())
     metrics["policy_version"] = float(run.learner.version)
     metrics["samples_per_s"] = len(batch) / metrics["time/step"]
@@ -239,18 +244,22 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, float]:
 
 def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
     cfg = run.cfg
-    metrics = evaluate(
-        run.generator, run.scorer, run.eval_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-        temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size,
-        max_prompts=cfg.eval.max_prompts, stop=cfg.rollout.stop,
-    )
+    if run.evaluate_model is not None:
+        metrics = run.evaluate_model(run.learner.model)
+    else:
+        metrics = evaluate(
+            run.generator, run.scorer, run.eval_prompts,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+            temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size,
+            max_prompts=cfg.eval.max_prompts, stop=cfg.rollout.stop,
+        )
     skip = {"eval/reward/std", "eval/reward/errors"}
     shown = "  ".join(
-        f"{k[len('eval/reward/'):]} {v:.3f}" for k, v in metrics.items()
-        if k.startswith("eval/reward/") and k not in skip
+        f"{k[len('eval/'):].removeprefix('reward/')} {v:.3f}" for k, v in metrics.items()
+        if k.startswith(("eval/reward/", "eval/pref/")) and k not in skip
     )
-    bar.print(f"eval at step {run.step}: {shown}  (errors {metrics['eval/reward/errors']:.0f})")
+    errors = f"  (errors {metrics['eval/reward/errors']:.0f})" if "eval/reward/errors" in metrics else ""
+    bar.print(f"eval at step {run.step}: {shown}{errors}")
     return metrics
 
 

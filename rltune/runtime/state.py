@@ -93,7 +93,8 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     except ValueError as err:  # another seed or dataset: the user's to fix, shown without a traceback
         raise CheckpointError(f"{path}: {err}") from None
     run.step = int(meta["step"])
-    run.generator.load_weights(learner.version, None if run.shared_weights else learner.export_weights())
+    if run.generator is not None:
+        run.generator.load_weights(learner.version, None if run.shared_weights else learner.export_weights())
 
 
 def _apply_learner(run: "Run", learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
