@@ -101,8 +101,39 @@ def arith_rows(
     return [p.row(f"arith-train-{i}") for i, p in enumerate(chosen)]
 
 
+def with_sloppy_teacher(
+    rows: list[dict[str, str]], *, slip: float, seed: int = 7
+) -> list[dict[str, str]]:
+    """The same rows demonstrated by a teacher that forgets the units carry.
+
+    In a problem whose units digits carry (``37+45``), the ``completion`` (the SFT target)
+    drops the carry with probability ``slip`` (``"72"`` instead of ``"82"``); ``answer``
+    stays the true sum, so a verifier still knows. Problems without a carry are always
+    demonstrated correctly. Draws come from ``random.Random(seed)``, one per row.
+    """
+    if not 0.0 <= slip <= 1.0:
+        raise ValueError(f"slip must be in [0, 1], got {slip}")
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        a, b = (int(x) for x in row["prompt"].rstrip("=").split("+"))
+        forgets = rng.random() < slip
+        if forgets and a % 10 + b % 10 >= 10:
+            row = {**row, "completion": str(a + b - 10)}
+        out.append(row)
+    return out
+
+
 def arith(split: str) -> list[dict[str, str]]:
-    """Two-digit addition: operands 0..99, 300 eval rows, 4000 distinct train rows."""
+    """Two-digit addition: operands 0..99, 300 eval rows, 4000 distinct train rows.
+
+    ``train-sloppy`` is the train split demonstrated by a sloppy teacher that forgets the
+    carry in 60 % of the problems that have one (:func:`with_sloppy_teacher`): imitation
+    learns the teacher's habit, a reward that checks the answer does not."""
+    if split == "train-sloppy":
+        return with_sloppy_teacher(arith_rows("train"), slip=0.6)
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r}; this task has 'train', 'eval' and 'train-sloppy'")
     return arith_rows(split)
 
 

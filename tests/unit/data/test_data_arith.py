@@ -68,3 +68,20 @@ def test_errors():
         arith_rows("train", ops=("*",))
     with pytest.raises(ValueError, match="n_train=20000 exceeds"):
         arith_rows("train", n_train=20000)
+
+
+def test_sloppy_teacher_drops_the_carry_in_some_carry_problems_only() -> None:
+    from rltune.data.tasks.arith import arith, with_sloppy_teacher
+
+    clean, sloppy = arith("train"), arith("train-sloppy")
+    assert [r["prompt"] for r in clean] == [r["prompt"] for r in sloppy]
+    assert [r["answer"] for r in clean] == [r["answer"] for r in sloppy]  # the verifier's truth
+    carry = [r for r in clean if sum(int(x) % 10 for x in r["prompt"].rstrip("=").split("+")) >= 10]
+    wrong = [s for r, s in zip(clean, sloppy) if s["completion"] != r["completion"]]
+    for row in wrong:  # 37+45 -> 72: the sum less the carried ten
+        a, b = (int(x) for x in row["prompt"].rstrip("=").split("+"))
+        assert (a % 10 + b % 10) >= 10 and int(row["completion"]) == a + b - 10
+    assert 0.5 < len(wrong) / len(carry) < 0.7  # slip 0.6
+    assert with_sloppy_teacher(clean[:5], slip=0.0) == clean[:5]
+    with pytest.raises(ValueError, match="train-sloppy"):
+        arith("test")
