@@ -230,7 +230,8 @@ def test_builtin_task(chatml_tok, tok_text):
 @pytest.mark.parametrize("source,match", [
     ("builtin:nope/train", r"TASK one of \['arith', 'arith_prefs', 'arith_small'\]"),
     ("builtin:arith", "expected builtin:TASK/SPLIT"),
-    ("builtin:arith/test", "'train' and 'eval'"),
+    ("builtin:arith/test", "'train', 'eval' and 'train-sloppy'"),
+    ("builtin:arith_small/test", "'train' and 'eval'"),
 ])
 def test_builtin_errors(chatml_tok, source, match):
     with pytest.raises(DataError, match=match):
