@@ -41,6 +41,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def body_hidden_states(
+    body: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """``[B, T, H]`` last hidden states of a transformer body (an LM without its head),
+    positions from the mask as in :func:`completion_logprobs`; for value and score heads."""
+    return body(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[target]`` as ``logits[target] - logsumexp(logits)``.
 

@@ -34,7 +34,7 @@ from transformers.models.auto.modeling_auto import (
 
 from rltune.data.collate import join
 from rltune.models.load import DTYPES, ModelLoadError, _existing_dir, _read_config
-from rltune.models.logprobs import position_ids_from_mask
+from rltune.models.logprobs import body_hidden_states
 
 SCORE_HEAD = "score"
 """Attribute of the HF sequence-classification models (Llama, Qwen2, Mistral, GPT-2,
@@ -133,12 +133,7 @@ def sequence_scores(
             f"{tuple(attention_mask.shape)} must both be [B, T]"
         )
     last = last_attended_index(attention_mask)
-    hidden = model.base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
+    hidden = body_hidden_states(model.base_model, input_ids, attention_mask)
     rows = torch.arange(len(input_ids), device=input_ids.device)
     return getattr(model, SCORE_HEAD)(hidden[rows, last]).squeeze(-1).float()
 

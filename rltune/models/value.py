@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rltune.models.load import load_model
-from rltune.models.logprobs import position_ids_from_mask
+from rltune.models.logprobs import body_hidden_states
 
 
 @dataclass
@@ -44,12 +44,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        hidden = self.body(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        ).last_hidden_state
+        hidden = body_hidden_states(self.body, input_ids, attention_mask)
         states = hidden[:, prompt_len - 1 : -1].float()  # [B, C, H]: the state before each token
         values = self.head(states).squeeze(-1)
         return torch.where(attention_mask[:, prompt_len:].bool(), values, values.new_zeros(()))

@@ -14,6 +14,7 @@ import yaml
 import rltune.runtime.local
 from rltune.cli import main
 from rltune.config import load_config
+from cli_check import fails
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
@@ -69,17 +70,6 @@ def config_file(tmp_path: Path, digit_reward_file: Path):
     return write
 
 
-def _fails(capsys, argv: list[str]) -> str:
-    """Run the CLI expecting a user error: exit code 2, one message, no traceback.
-    Returns the message (what follows ``error:``; libraries may print progress before)."""
-    code = main(argv)
-    out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    assert "Traceback" not in out + err
-    assert err.count("error: ") == 1, err
-    return err[err.index("error: "):]
-
-
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if the model's weights are loaded: a wrong input must be reported
@@ -112,25 +102,25 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_typo_in_a_section_name(capsys, config_file):
     path = config_file(lambda d: d.__setitem__("trian", d.pop("train")))
-    err = _fails(capsys, ["train", str(path)])
+    err = fails(capsys, ["train", str(path)])
     assert str(path) in err
     assert "unknown key `trian`; did you mean `train`?" in err
 
 
 def test_typo_in_a_nested_key(capsys, config_file):
     path = config_file(lambda d: d["train"].__setitem__("lrr", d["train"].pop("lr")))
-    err = _fails(capsys, ["train", str(path)])
+    err = fails(capsys, ["train", str(path)])
     assert "unknown key `train.lrr`; did you mean `train.lr`?" in err
 
 
 def test_bad_override_value(capsys, config_file):
-    err = _fails(capsys, ["train", str(config_file()), "train.steps=-1"])
+    err = fails(capsys, ["train", str(config_file()), "train.steps=-1"])
     assert "train.steps: must be >= 0 (got -1)" in err
     assert "set by override `train.steps=-1`" in err
 
 
 def test_missing_config_file(capsys, tmp_path):
-    err = _fails(capsys, ["train", str(tmp_path / "nope.yaml")])
+    err = fails(capsys, ["train", str(tmp_path / "nope.yaml")])
     assert f"config file not found: {tmp_path / 'nope.yaml'}" in err
 
 
@@ -140,7 +130,7 @@ def test_missing_config_file(capsys, tmp_path):
 def test_bad_row_names_the_file_and_row(capsys, config_file, tmp_path, no_model_load):
     rows = GOOD_ROWS[:2] + [{"question": "5+5=", "answer": "10"}] + GOOD_ROWS[2:]
     data = _write_jsonl(tmp_path / "prompts.jsonl", rows)
-    err = _fails(capsys, ["train", str(config_file()), f"data.train={data}"])
+    err = fails(capsys, ["train", str(config_file()), f"data.train={data}"])
     assert f"{data}: row 3:" in err
     assert "'prompt'" in err and "data.on_bad_row=skip" in err
 
@@ -148,7 +138,7 @@ def test_bad_row_names_the_file_and_row(capsys, config_file, tmp_path, no_model_
 def test_empty_prompt_names_the_file_and_row(capsys, config_file, tmp_path, no_model_load):
     rows = GOOD_ROWS[:1] + [{"prompt": "", "answer": "0"}] + GOOD_ROWS[1:]
     data = _write_jsonl(tmp_path / "prompts.jsonl", rows)
-    err = _fails(capsys, ["train", str(config_file()), f"data.train={data}"])
+    err = fails(capsys, ["train", str(config_file()), f"data.train={data}"])
     assert f"{data}: row 2:" in err and "empty" in err
 
 
@@ -186,12 +176,12 @@ def test_failing_reward_is_counted_never_scored_zero(capsys, config_file, tmp_pa
 
 
 def test_reward_file_not_found(capsys, config_file, no_model_load):
-    err = _fails(capsys, ["train", str(config_file()), "reward.0.fn=missing_rewards.py:digit_share"])
+    err = fails(capsys, ["train", str(config_file()), "reward.0.fn=missing_rewards.py:digit_share"])
     assert "reward spec 'missing_rewards.py:digit_share': file not found" in err
 
 
 def test_reward_function_not_found(capsys, config_file, no_model_load):
-    err = _fails(capsys, ["train", str(config_file()), "reward.0.fn=my_rewards.py:digit_shares"])
+    err = fails(capsys, ["train", str(config_file()), "reward.0.fn=my_rewards.py:digit_shares"])
     assert "reward spec 'my_rewards.py:digit_shares'" in err
     assert "no attribute 'digit_shares'" in err and "digit_share" in err
 
@@ -201,7 +191,7 @@ def test_reward_function_not_found(capsys, config_file, no_model_load):
 
 def test_model_path_that_does_not_exist(capsys, config_file, tmp_path, no_model_load):
     missing = tmp_path / "no-such-model"
-    err = _fails(capsys, ["train", str(config_file()), f"model.path={missing}"])
+    err = fails(capsys, ["train", str(config_file()), f"model.path={missing}"])
     assert f"model path {missing} does not exist" in err and "model.path" in err
 
 
@@ -211,7 +201,7 @@ def test_model_path_that_does_not_exist(capsys, config_file, tmp_path, no_model_
 def test_resume_with_another_seed(capsys, config_file, tmp_path):
     path = config_file()
     _succeeds(capsys, ["train", str(path)])
-    err = _fails(capsys, ["train", str(path), "checkpoint.resume=auto", "train.steps=3", "train.seed=1"])
+    err = fails(capsys, ["train", str(path), "checkpoint.resume=auto", "train.steps=3", "train.seed=1"])
     checkpoint = tmp_path / "runs" / "cli-run" / "checkpoints" / "step-2"
     assert f"{checkpoint}: sampler state was saved with seed=0 but this run has seed=1" in err
     assert "train.seed" in err

@@ -20,6 +20,7 @@ from rltune.config import load_config, save_resolved_config
 from rltune.models.load import load_model, resolve_model
 from rltune.models.lora import apply_lora
 from rltune.runtime.local import run_local
+from cli_check import fails
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
@@ -79,15 +80,6 @@ def _succeeds(capsys, argv: list[str]) -> str:
     return err
 
 
-def _fails(capsys, argv: list[str]) -> str:
-    code = main(argv)
-    out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    assert "Traceback" not in out + err
-    assert err.count("error: ") == 1, err
-    return err[err.index("error: "):]
-
-
 def test_export_writes_the_newest_checkpoint(capsys, sft_run, tmp_path):
     checkpoints = sft_run.run_dir / "checkpoints"
     err = _succeeds(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
@@ -132,7 +124,7 @@ def test_a_lora_run_is_exported_merged(capsys, tmp_path, fmt):
 
 
 def test_missing_run_directory(capsys, tmp_path):
-    err = _fails(capsys, ["export", str(tmp_path / "nope"), str(tmp_path / "out")])
+    err = fails(capsys, ["export", str(tmp_path / "nope"), str(tmp_path / "out")])
     assert f"run directory {tmp_path / 'nope'} does not exist" in err
 
 
@@ -140,20 +132,20 @@ def test_a_run_without_checkpoints(capsys, sft_run, tmp_path):
     run_dir = tmp_path / "bare"
     run_dir.mkdir()
     shutil.copy(sft_run.run_dir / "config.yaml", run_dir)
-    err = _fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
+    err = fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
     assert f"run directory {run_dir} has no complete checkpoint under {run_dir / 'checkpoints'}" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_a_checkpoint_path_that_does_not_exist(capsys, sft_run, tmp_path):
-    err = _fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(tmp_path / "step-9")])
+    err = fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(tmp_path / "step-9")])
     assert f"checkpoint {tmp_path / 'step-9'} does not exist" in err
 
 
 def test_an_output_directory_with_files_is_left_alone(capsys, sft_run, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    err = _fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
+    err = fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
     assert f"output directory {tmp_path / 'out'} already exists and is not empty" in err
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
@@ -166,6 +158,6 @@ def test_weights_that_do_not_fit_the_config(capsys, sft_run, tmp_path):
     data = yaml.safe_load((sft_run.run_dir / "config.yaml").read_text())
     data["model"]["lora"] = {"r": 2}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(data))
-    err = _fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
+    err = fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
     assert f"{run_dir / 'checkpoints' / 'step-2'}: the saved model weights do not fit the model" in err
     assert "unset `model.lora` as in the run that saved it" in err
