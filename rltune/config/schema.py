@@ -68,11 +68,6 @@ class ModelConfig(_Section):
     """Train LoRA adapters instead of the full model; None trains every weight."""
 
 
-ALGO_NAMES = (
-    "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo",
-    "sft", "dpo", "simpo", "reward_model",
-)
-
 ALGO_PRESETS: dict[str, dict[str, object]] = {
     # Dr. GRPO (Liu et al. 2025): no std scaling, a constant-length normaliser
     "dr_grpo": {"adv_scale": "none", "aggregation": "seq-mean-token-sum-norm"},
@@ -88,7 +83,8 @@ ALGO_PRESETS: dict[str, dict[str, object]] = {
 ONLINE_ALGOS = frozenset(
     {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"}
 )
-"""Algorithms that generate and score rollouts every step (the registry says the same)."""
+"""Built-in algorithms that generate and score rollouts every step, for checks at load time
+(the registry says the same; the run repeats the check for any registered algorithm)."""
 GROUP_BASELINE_ALGOS = ONLINE_ALGOS - {"ppo", "reinforce_pp"}
 """Algorithms whose baseline is the other samples of the same prompt."""
 TOKEN_REWARD_ALGOS = frozenset({"ppo", "reinforce_pp", "reinforce_pp_baseline"})
@@ -96,7 +92,9 @@ TOKEN_REWARD_ALGOS = frozenset({"ppo", "reinforce_pp", "reinforce_pp_baseline"})
 
 
 class AlgoConfig(_Section):
-    name: Literal[ALGO_NAMES] = "grpo"  # type: ignore[valid-type]
+    name: str = "grpo"
+    """A key of ``rltune.algos.ALGORITHMS`` (the registry is the one list of algorithms;
+    the run checks the name before loading anything, with the closest name on a typo)."""
     group_size: int = Field(8, ge=1)
     """Samples drawn per prompt; the group is the baseline for GRPO/RLOO advantages."""
     adv_scale: Literal["std", "none"] = "std"

@@ -11,7 +11,6 @@ import torch
 from rltune.algos import (
     Algorithm,
     aggregate_loss,
-    gspo_policy_loss,
     importance_weight_metrics,
     importance_weights,
     kl_penalty,
@@ -21,6 +20,7 @@ from rltune.algos import (
     sft_loss,
     value_loss,
 )
+from rltune.algos.registry import ppo_loss_kwargs
 from rltune.config.schema import AlgoConfig
 from rltune.data.records import TrainBatch
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
@@ -68,26 +68,12 @@ class Objective:
         return loss_denominator(batch.loss_mask, aggregation=self.aggregation)
 
 
-def _ppo_kwargs(cfg: AlgoConfig, max_len: int | None) -> dict[str, Any]:
-    return dict(
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-        aggregation=cfg.aggregation, max_len=max_len,
-    )
-
-
-def _gspo_kwargs(cfg: AlgoConfig, max_len: int | None) -> dict[str, Any]:
-    return dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-
-
-# The policy losses and the hyper-parameters each takes from the config.
-_POLICY_LOSSES: dict[Callable, Callable[[AlgoConfig, int | None], dict[str, Any]]] = {
-    ppo_policy_loss: _ppo_kwargs,
-    gspo_policy_loss: _gspo_kwargs,
-}
-
-
 def policy_objective(
-    cfg: AlgoConfig, *, policy_loss: Callable = ppo_policy_loss, max_len: int | None = None
+    cfg: AlgoConfig,
+    *,
+    policy_loss: Callable = ppo_policy_loss,
+    loss_kwargs: Callable[[AlgoConfig, int | None], dict[str, Any]] = ppo_loss_kwargs,
+    max_len: int | None = None,
 ) -> Objective:
     """A clipped policy-gradient loss (``ppo_policy_loss`` or ``gspo_policy_loss``) plus,
     when ``kl_coef > 0`` and the KL is not already in the reward, ``kl_coef`` times the
@@ -97,9 +83,10 @@ def policy_objective(
     the current ones, detached, so no second forward pass is spent on them. With
     ``importance_correction`` the loss is weighted by the truncated or masked ratio of
     those old log-probs to the generating engine's (``behaviour_logprobs``).
+    ``loss_kwargs(cfg, max_len)`` gives the loss's hyper-parameters (the registry entry's);
     ``max_len`` is the constant of the "seq-mean-token-sum-norm" aggregation.
     """
-    loss_kwargs = _POLICY_LOSSES[policy_loss](cfg, max_len)
+    hyper = loss_kwargs(cfg, max_len)
     kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
 
     def loss(out: LogProbOutput, mb: TrainBatch, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
@@ -112,7 +99,7 @@ def policy_objective(
             correction = importance_weight_metrics(is_weights, old, mb.behaviour_logprobs, mb.loss_mask)
         total, metrics = policy_loss(
             out.logprobs, old, mb.advantages, mb.loss_mask,
-            is_weights=is_weights, denominator=denominator, **loss_kwargs,
+            is_weights=is_weights, denominator=denominator, **hyper,
         )
         metrics.update(correction)
         if kl_in_loss:
@@ -159,8 +146,8 @@ def sft_objective(cfg: AlgoConfig) -> Objective:
 
 def build_objective(algorithm: Algorithm, cfg: AlgoConfig, *, max_len: int | None = None) -> Objective:
     """The learner's objective for ``algorithm``; ``max_len`` is ``rollout.max_new_tokens``."""
-    if algorithm.loss in _POLICY_LOSSES:
-        return policy_objective(cfg, policy_loss=algorithm.loss, max_len=max_len)
+    if algorithm.online:
+        return policy_objective(cfg, policy_loss=algorithm.loss, loss_kwargs=algorithm.loss_kwargs, max_len=max_len)
     if algorithm.loss is sft_loss:
         return sft_objective(cfg)
     raise ValueError(f"algorithm {algorithm.name!r} trains with its own objective, not the policy learner's")

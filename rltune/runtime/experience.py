@@ -2,15 +2,16 @@
 advantages — and the rollout statistics of a step.
 
 Which estimator runs is the algorithm's ``advantage`` entry (``rltune.algos.registry``):
-sequence-level estimators (GRPO's group advantages, RLOO) give one value per sample;
-token-level ones (REINFORCE++, PPO's GAE) work on per-token rewards, the sequence's score
+sequence-level estimators (GRPO's group advantages, RLOO, any new one following their
+convention) give one value per sample; the token-level ones (REINFORCE++, PPO's GAE)
+work on per-token rewards, the sequence's score
 on its last token minus, with ``algo.kl_in_reward``, ``kl_coef`` times the k1 KL.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +24,7 @@ from rltune.algos import (
     masked_mean,
     masked_whiten,
     reinforce_pp_advantages,
-    rloo_advantages,
 )
-from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_rollouts
 from rltune.data.records import Rollout, TrainBatch
 
@@ -41,11 +40,8 @@ def rewards_tensor(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Ten
     return rewards, ~torch.isnan(rewards)
 
 
-# Sequence-level estimators: (rewards [B], valid [B], cfg) -> advantages [B].
-_SEQUENCE_ESTIMATORS: dict[Callable, Callable[[torch.Tensor, torch.Tensor, AlgoConfig], torch.Tensor]] = {
-    group_advantages: lambda r, ok, a: group_advantages(r, a.group_size, scale=a.adv_scale, valid=ok),
-    rloo_advantages: lambda r, ok, a: rloo_advantages(r, a.group_size, valid=ok),
-}
+# Estimators of per-token advantages; every other estimator is sequence-level (registry).
+_TOKEN_ESTIMATORS = (gae, reinforce_pp_advantages)
 
 
 def grpo_experience(
@@ -56,10 +52,10 @@ def grpo_experience(
     Samples without a reward are excluded from their group's baseline and from the loss
     (their loss-mask is zeroed), never scored 0.
     """
-    cfg = AlgoConfig(group_size=group_size, adv_scale=adv_scale)
     rewards, valid = rewards_tensor(rollouts)
     batch = _masked_batch(rollouts, valid, pad_id)
-    batch.advantages = _SEQUENCE_ESTIMATORS[group_advantages](rewards, valid, cfg)[:, None].expand_as(batch.loss_mask)
+    advantages = group_advantages(rewards, group_size, scale=adv_scale, valid=valid)
+    batch.advantages = advantages[:, None].expand_as(batch.loss_mask)
     return batch
 
 
@@ -86,8 +82,8 @@ def make_experience(run: "Run", rollouts: Sequence[Rollout]) -> tuple[TrainBatch
     if cfg.epochs * cfg.minibatches > 1 or (cfg.kl_in_reward and cfg.kl_coef > 0):
         batch.old_logprobs = run.learner.logprobs(batch)
     estimator = run.algorithm.advantage
-    if estimator in _SEQUENCE_ESTIMATORS:
-        advantages = _SEQUENCE_ESTIMATORS[estimator](rewards, valid, cfg)
+    if estimator not in _TOKEN_ESTIMATORS:
+        advantages = estimator(rewards, cfg.group_size, valid=valid, **run.algorithm.advantage_kwargs(cfg))
         batch.advantages = advantages[:, None].expand_as(batch.loss_mask)
         return batch, metrics
     scores = torch.where(valid, rewards, torch.zeros_like(rewards))
@@ -98,10 +94,8 @@ def make_experience(run: "Run", rollouts: Sequence[Rollout]) -> tuple[TrainBatch
         batch.values = run.critic.values(batch)
         advantages, batch.returns = gae(token_rewards, batch.values, batch.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
         batch.advantages = masked_whiten(advantages, batch.loss_mask)
-    elif estimator is reinforce_pp_advantages:
-        batch.advantages = reinforce_pp_advantages(token_rewards, batch.loss_mask, gamma=cfg.gamma)
     else:
-        raise ValueError(f"no experience maker for the advantage estimator of {run.algorithm.name!r}")
+        batch.advantages = reinforce_pp_advantages(token_rewards, batch.loss_mask, gamma=cfg.gamma)
     return batch, metrics
 
 

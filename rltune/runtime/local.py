@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import random
 from dataclasses import dataclass, field
 from functools import partial
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from rltune.algos import ALGORITHMS
+from rltune.algos import ALGORITHMS, Algorithm
 from rltune.checkpoint.export import export_hf
-from rltune.config import Config, save_resolved_config
+from rltune.config import Config, ConfigError, save_resolved_config
 from rltune.data.loaders import load_prompts
 from rltune.data.collate import collate_sft
 from rltune.data.sampler import PromptSampler
@@ -51,9 +52,11 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
-    algorithm = ALGORITHMS[cfg.algo.name]
     # every input a user can get wrong is checked before the model's weights are loaded
+    algorithm = lookup_algorithm(cfg.algo.name)
     reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
+    if algorithm.online and not reward_fns:
+        raise ConfigError(f"algo.name={cfg.algo.name} generates rollouts and needs at least one entry in `reward`")
     model_dir = resolve_model(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     run_dir = Path(cfg.log.dir) / cfg.name
@@ -111,6 +114,15 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     if cfg.algo.kl_in_reward:
         run.kl = KLCoefficient(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
     return run
+
+
+def lookup_algorithm(name: str) -> Algorithm:
+    """The registry entry ``algo.name`` names; a ConfigError naming the closest on a typo."""
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    close = difflib.get_close_matches(name, ALGORITHMS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"algo.name: unknown algorithm {name!r}{hint}; known: {', '.join(ALGORITHMS)}")
 
 
 def _policy(cfg: Config, model_dir: str) -> torch.nn.Module:

@@ -55,3 +55,16 @@ def test_control_with_zero_policy_lr_does_not_learn(tiny_grpo_config, algo: str)
     history = _run(tiny_grpo_config(f"algo.name={algo}", ONE_THREAD, "train.lr=0", "algo.critic_lr=3e-3"))
     first, last = _gain(history)
     assert abs(last - first) < 0.08, [m["reward/mean"] for m in history]
+
+
+def test_a_new_algorithm_is_one_registry_entry(tiny_grpo_config, monkeypatch) -> None:
+    """An estimator that follows the sequence convention (here ``group_baseline``: reward
+    minus the group mean, Dr.GRPO's advantage by another name) trains from a registry
+    entry alone: no config, runtime or learner edit."""
+    from rltune.algos import ALGORITHMS, group_baseline
+    from rltune.algos.registry import online_algorithm
+
+    monkeypatch.setitem(ALGORITHMS, "mean_baseline", online_algorithm("mean_baseline", group_baseline))
+    history = _run(tiny_grpo_config("algo.name=mean_baseline", ONE_THREAD))
+    first, last = _gain(history)
+    assert last > first + 0.25, [m["reward/mean"] for m in history]

@@ -3,7 +3,6 @@
 import ast
 import dataclasses
 import pathlib
-import typing
 
 import pytest
 
@@ -12,11 +11,15 @@ from rltune.algos import ALGORITHMS, Algorithm, group_advantages, ppo_policy_los
 from rltune.config.schema import AlgoConfig
 
 
-def test_every_configurable_algorithm_is_registered_under_its_name():
-    names = typing.get_args(AlgoConfig.model_fields["name"].annotation)
-    assert set(names) == set(ALGORITHMS)
+def test_every_algorithm_is_registered_under_its_name_and_config_sets_agree():
+    from rltune.config.schema import ALGO_PRESETS, GROUP_BASELINE_ALGOS, ONLINE_ALGOS, TOKEN_REWARD_ALGOS
+
     for key, algo in ALGORITHMS.items():
         assert algo.name == key
+    # the config's load-time checks name built-in algorithms; they must say what the registry says
+    assert ONLINE_ALGOS == {k for k, a in ALGORITHMS.items() if a.online}
+    assert GROUP_BASELINE_ALGOS | TOKEN_REWARD_ALGOS | set(ALGO_PRESETS) <= set(ALGORITHMS)
+    assert AlgoConfig.model_fields["name"].default in ALGORITHMS
 
 
 def test_grpo_and_sft_entries():

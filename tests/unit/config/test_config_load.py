@@ -146,7 +146,7 @@ def test_invalid_values_all_listed(tmp_path):
         """\
         reward: [{fn: 'a:b'}]
         train: {steps: -1, lr: fast, threads: many}
-        algo: {name: pppo}
+        algo: {group_size: 0}
         rollout: {top_p: 2, stop: END}
         model: 5
         """,
@@ -156,7 +156,7 @@ def test_invalid_values_all_listed(tmp_path):
         "train.steps: must be >= 0 (got -1)",
         "train.lr: must be a valid number, unable to parse string as a number (got 'fast')",
         "train.threads: must be a valid integer, unable to parse string as an integer (got 'many')",
-        "algo.name: must be 'grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'ppo', 'sft', 'dpo', 'simpo' or 'reward_model' (got 'pppo')",
+        "algo.group_size: must be >= 1 (got 0)",
         "rollout.top_p: must be <= 1.0 (got 2)",
         "rollout.stop: must be a list (got 'END')",
         "model: must be a mapping of keys (got 5)",
