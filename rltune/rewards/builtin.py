@@ -14,6 +14,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from rltune.data.records import Prompt
+from rltune.rewards.math_verify import math_answer as math_answer  # `builtin:math_answer`
 
 # A number as a model writes it: optional sign, digits with optional thousands commas
 # (`1,234`, but not `1,2345`), optional decimals, or a bare `.5`. A `-` directly after a word
