@@ -11,7 +11,7 @@ from rltune.algos import masked_mean
 from rltune.config.schema import TrainConfig
 from rltune.data.records import TrainBatch
 from rltune.learner.microbatch import split_by_tokens
-from rltune.learner.objectives import Objective
+from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
 
 
@@ -78,18 +78,18 @@ class LocalLearner:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, C]`` per-token log-probs of ``batch`` under the current weights, no grad."""
-        return self.predict(batch, "logprobs")
+        return self.predict(batch, logprobs_only, "logprobs")
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, C]`` critic values of ``batch`` (for a learner with a value objective)."""
-        return self.predict(batch, "values")
+        return self.predict(batch, self.objective.forward, "values")
 
-    def predict(self, batch: TrainBatch, field: str) -> torch.Tensor:
-        """The ``field`` of the objective's forward on ``batch``, in eval mode, without
-        gradient, in row chunks within the micro-batch token budget."""
+    def predict(self, batch: TrainBatch, forward, field: str) -> torch.Tensor:
+        """The ``field`` of ``forward`` on ``batch``, in eval mode, without gradient, in
+        row chunks within the micro-batch token budget."""
         self.model.eval()
         return predict(
-            self.model, self.objective.forward, batch, field,
+            self.model, forward, batch, field,
             budget=self.cfg.micro_batch_tokens, temperature=self.temperature, autocast=self._autocast,
         )
 

@@ -4,6 +4,7 @@ micro-batch of model outputs and the pure loss functions."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -30,13 +31,19 @@ Metrics = dict[str, torch.Tensor]
 
 
 def logprob_forward(
-    model: torch.nn.Module, mb: TrainBatch, *, temperature: float, router_logits: bool
+    model: torch.nn.Module, mb: TrainBatch, *, temperature: float, router_logits: bool,
+    with_entropy: bool = True,
 ) -> LogProbOutput:
-    """The policy's per-token log-probs (and entropy) of ``mb``'s completions."""
+    """The policy's per-token log-probs (and, for the train step's metrics, entropy) of
+    ``mb``'s completions."""
     return completion_logprobs(
         model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-        temperature=temperature, with_entropy=True, output_router_logits=router_logits,
+        temperature=temperature, with_entropy=with_entropy, output_router_logits=router_logits,
     )
+
+
+logprobs_only = partial(logprob_forward, with_entropy=False)
+"""The forward of no-grad passes (old and reference log-probs): no entropy to compute."""
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,9 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig") -> torch.nn.Module:
         target_modules="all-linear" if targets is None else targets,
         modules_to_save=to_save,
         bias="none",
-        task_type="CAUSAL_LM",
+        # a sequence classifier (a reward model) keeps its generation-free forward, and
+        # peft trains its new score head in full next to the adapters
+        task_type="SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM",
     )
     with warnings.catch_warnings():
         # peft asks the model `is_gradient_checkpointing`, which transformers 5 deprecates.
@@ -177,7 +179,8 @@ def merged_copy(model: torch.nn.Module) -> PreTrainedModel:
         if buffer.is_meta:  # non-persistent buffers (rotary frequencies) are not in a state_dict
             owner, _, leaf = name.rpartition(".")
             plain.get_submodule(owner).register_buffer(leaf, base.get_buffer(name).to("cpu"), persistent=False)
-    plain.generation_config = copy.deepcopy(base.generation_config)
+    if getattr(base, "generation_config", None) is not None:  # a reward model has none
+        plain.generation_config = copy.deepcopy(base.generation_config)
     return plain.eval()
 
 

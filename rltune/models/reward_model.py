@@ -125,7 +125,8 @@ def sequence_scores(
 
     Positions count attended tokens only (``cumsum(mask) - 1``), so left or right
     padding does not change a row's score. Differentiable; only the ``[B, H]`` hidden
-    states at the last tokens go through the head.
+    states at the last tokens go through the head. A LoRA-wrapped model is read through
+    the model it wraps (its layers carry the adapters in place).
     """
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -133,9 +134,10 @@ def sequence_scores(
             f"{tuple(attention_mask.shape)} must both be [B, T]"
         )
     last = last_attended_index(attention_mask)
-    hidden = body_hidden_states(model.base_model, input_ids, attention_mask)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = body_hidden_states(inner.base_model, input_ids, attention_mask)
     rows = torch.arange(len(input_ids), device=input_ids.device)
-    return getattr(model, SCORE_HEAD)(hidden[rows, last]).squeeze(-1).float()
+    return getattr(inner, SCORE_HEAD)(hidden[rows, last]).squeeze(-1).float()
 
 
 @torch.no_grad()

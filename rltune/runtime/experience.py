@@ -44,21 +44,6 @@ def rewards_tensor(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Ten
 _TOKEN_ESTIMATORS = (gae, reinforce_pp_advantages)
 
 
-def grpo_experience(
-    rollouts: Sequence[Rollout], *, group_size: int, adv_scale: str, pad_id: int
-) -> TrainBatch:
-    """Group-relative advantages (Shao et al. 2024) on one TrainBatch.
-
-    Samples without a reward are excluded from their group's baseline and from the loss
-    (their loss-mask is zeroed), never scored 0.
-    """
-    rewards, valid = rewards_tensor(rollouts)
-    batch = _masked_batch(rollouts, valid, pad_id)
-    advantages = group_advantages(rewards, group_size, scale=adv_scale, valid=valid)
-    batch.advantages = advantages[:, None].expand_as(batch.loss_mask)
-    return batch
-
-
 def _masked_batch(rollouts: Sequence[Rollout], valid: torch.Tensor, pad_id: int) -> TrainBatch:
     batch = collate_rollouts(rollouts, pad_id)
     batch.loss_mask = batch.loss_mask * valid[:, None].float()

@@ -17,17 +17,16 @@ from rltune.data.loaders import load_prompts
 from rltune.data.collate import collate_sft
 from rltune.data.sampler import PromptSampler
 from rltune.learner.learner import LocalLearner, predict
-from rltune.learner.objectives import build_objective, logprob_forward, value_objective
+from rltune.learner.objectives import build_objective, logprobs_only, value_objective
 from rltune.models.load import load_model, load_tokenizer, resolve_model, router_aux_loss_coef
 from rltune.learner.preference import PREFERENCE_METHODS
 from rltune.models.lora import adapters_disabled, apply_lora, is_lora
-from rltune.models.reward_model import load_reward_model
 from rltune.models.value import load_critic
 from rltune.rewards.scorer import LocalScorer, build_reward_fns
 from rltune.rollout.hf import HFGenerator
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.loop import Run, train
-from rltune.runtime.preference import PreferenceParts, build_preference_parts
+from rltune.runtime.preference import PreferenceParts, build_preference_parts, load_preference_model
 
 
 @dataclass
@@ -144,14 +143,7 @@ def _preference_parts(cfg: Config, model_dir: str, tokenizer, run_dir: Path) -> 
 
 
 def _preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
-    common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    lora = cfg.model.lora
-    if cfg.algo.name != "reward_model":
-        return apply_lora(load_model(model_dir, **common), lora)
-    # the new score head trains in full next to the adapters
-    keep = tuple(lora.modules_to_save or ()) + ("score",)
-    model = load_reward_model(model_dir, seed=cfg.train.seed, **common)
-    return apply_lora(model, lora.model_copy(update={"modules_to_save": keep}))
+    return apply_lora(load_preference_model(cfg, model_dir), cfg.model.lora)
 
 
 def _build_critic(cfg: Config, model_dir: str, updates: int) -> LocalLearner:
@@ -174,14 +166,14 @@ def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module):
         def logprobs(batch):
             training = policy.training
             with adapters_disabled(policy):
-                out = predict(policy.eval(), logprob_forward, batch, **kwargs)
+                out = predict(policy.eval(), logprobs_only, batch, **kwargs)
             policy.train(training)
             return out
 
         return logprobs
     reference = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     reference.eval().requires_grad_(False)
-    return partial(predict, reference, logprob_forward, **kwargs)
+    return partial(predict, reference, logprobs_only, **kwargs)
 
 
 def run_local(cfg: Config, *, config_dir: Path | None = None) -> Run:

@@ -74,7 +74,7 @@ def build_preference_parts(
     eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, with_pairs=True) if cfg.data.eval else None
     eval_prompts = eval_set.prompts[: cfg.eval.max_prompts] if eval_set else None
     if model is None:
-        model = _load(cfg, model_dir, reward_model=method.scores)
+        model = load_preference_model(cfg, model_dir)
     pad_id = tokenizer.pad_token_id
     budget = cfg.train.micro_batch_tokens
     reference = None
@@ -114,9 +114,11 @@ def build_preference_parts(
     )
 
 
-def _load(cfg: Config, model_dir: str, *, reward_model: bool) -> torch.nn.Module:
+def load_preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
+    """The model ``cfg.algo.name`` trains: a reward model on ``model_dir`` (a new score head
+    seeded with ``train.seed``) for reward_model, else the causal LM itself."""
     common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    if reward_model:
+    if preference_method(cfg.algo.name).scores:
         return load_reward_model(model_dir, seed=cfg.train.seed, **common)
     return load_model(model_dir, **common)
 

@@ -80,11 +80,11 @@ def restore(run: "Run") -> bool:
 
 def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     learner = run.learner
-    _apply_learner(run, learner, tensors, meta, path, "")
+    _apply_learner(learner, tensors, meta, path, "")
     if run.critic is not None:
         if "critic_model" not in tensors:
             raise CheckpointError(f"{path} holds no critic; it was not written by a run of algo {run.cfg.algo.name!r}")
-        _apply_learner(run, run.critic, tensors, meta, path, "critic_")
+        _apply_learner(run.critic, tensors, meta, path, "critic_")
     if run.kl is not None:
         run.kl.coef = float(meta["kl_coef"])
     rng_from_state(tensors["rng"], meta["rng"], run.state.generators)
@@ -97,7 +97,7 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
         run.generator.load_weights(learner.version, None if run.shared_weights else learner.export_weights())
 
 
-def _apply_learner(run: "Run", learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+def _apply_learner(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
     model_from_state(learner.model, tensors[f"{prefix}model"], meta[f"{prefix}model"], where=f"{path} ({prefix}model)")
     optimizer_from_state(learner.optimizer, tensors[f"{prefix}optimizer"], meta[f"{prefix}optimizer"])
     scheduler_from_state(learner.schedule, meta[f"{prefix}scheduler"])

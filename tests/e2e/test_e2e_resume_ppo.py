@@ -86,9 +86,9 @@ def test_resume_without_the_critic_state_differs(straight_and_resumed, tmp_path,
     train(build_run(cfg), stop_after=STOP_AT)
     apply_learner = run_state._apply_learner
 
-    def skip_critic(run, learner, tensors, meta, path, prefix):
+    def skip_critic(learner, tensors, meta, path, prefix):
         if prefix != "critic_":
-            apply_learner(run, learner, tensors, meta, path, prefix)
+            apply_learner(learner, tensors, meta, path, prefix)
 
     monkeypatch.setattr(run_state, "_apply_learner", skip_critic)
     c = build_run(cfg)

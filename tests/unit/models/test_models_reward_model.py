@@ -136,3 +136,24 @@ def test_load_errors(tmp_path, tiny_dir: str) -> None:
         load_reward_model(str(odd))
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         score_completions(load_reward_model(tiny_dir), [[1], [2]], [[3]], pad_id=0)
+
+
+def test_lora_reward_model_trains_its_head_and_exports_the_scores_it_gives(tiny_dir: str) -> None:
+    from rltune.config.schema import LoraConfig
+    from rltune.models.lora import apply_lora, merged_copy
+
+    model = apply_lora(load_reward_model(tiny_dir, seed=0), LoraConfig(r=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("score" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    assert not any("embed_tokens" in n for n in trainable)
+    with torch.no_grad():  # adapters that change the output (B starts at 0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    adapted = sequence_scores(model, ids, mask).detach()
+    plain = load_reward_model(tiny_dir, seed=0)
+    assert not torch.allclose(sequence_scores(plain, ids, mask).detach(), adapted, atol=1e-4)
+    merged = merged_copy(model)
+    torch.testing.assert_close(sequence_scores(merged, ids, mask).detach(), adapted, atol=1e-5, rtol=0)

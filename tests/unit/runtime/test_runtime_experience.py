@@ -1,14 +1,17 @@
-"""grpo_experience and rollout_metrics on hand-built rollouts, some without a reward."""
+"""GRPO experience (make_experience) and rollout_metrics on hand-built rollouts, some without a reward."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rltune.data.records import Rollout
-from rltune.runtime.experience import grpo_experience, rollout_metrics
+from rltune.algos import ALGORITHMS
+from rltune.config.schema import AlgoConfig
+from rltune.runtime.experience import make_experience, rollout_metrics
 
 PAD = 0
 GROUP = 4
@@ -51,7 +54,11 @@ def rollouts() -> list[Rollout]:
     ],
 )
 def test_missing_reward_is_masked_out_and_left_out_of_the_baseline(scale: str, group0) -> None:
-    batch = grpo_experience(rollouts(), group_size=GROUP, adv_scale=scale, pad_id=PAD)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(algo=AlgoConfig(group_size=GROUP, adv_scale=scale)), algorithm=ALGORITHMS["grpo"],
+        pad_id=PAD, reference_logprobs=None,
+    )
+    batch, _ = make_experience(run, rollouts())
     valid = [r is not None for r in REWARDS]
     # per-row advantage, constant over the row's tokens; groups 1 and 2 have no signal
     expected = torch.tensor(group0 + [0.0] * 8)
