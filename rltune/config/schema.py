@@ -197,6 +197,12 @@ class RewardFnConfig(_Section):
     """Name in metrics and samples; defaults to the function's name."""
     kwargs: dict[str, object] = Field(default_factory=dict)
     """Extra keyword arguments passed on every call."""
+    timeout_s: float | None = Field(60.0, gt=0)
+    """The most one call may take (a batched function's call covers the whole round); past
+    it the samples are errors. None: no limit."""
+    cache: bool = True
+    """Reuse the value of an identical (prompt, completion) call; off for a reward that is
+    not a function of its inputs."""
 
 
 class TrainConfig(_Section):
@@ -252,6 +258,13 @@ class EvalConfig(_Section):
 
 class RuntimeConfig(_Section):
     mode: Literal["local"] = "local"
+    reward_workers: int = Field(4, ge=1)
+    """Reward calls that run at once (threads or processes)."""
+    reward_pool: Literal["thread", "process"] = "thread"
+    """``process`` for CPU-bound Python rewards: they then run in parallel, and a hung
+    call's worker is killed; ``thread`` for rewards that wait (HTTP, the code sandbox)."""
+    reward_cache_size: int = Field(100_000, ge=0)
+    """Values of identical calls kept across steps (0: no cache)."""
 
 
 class Config(_Section):

@@ -70,6 +70,9 @@ class Rollout:
     reward: float | None = None
     rewards: dict[str, float | None] = field(default_factory=dict)
     reward_error: str | None = None
+    dropped: bool = False
+    """A reward dropped the sample on purpose (a safety filter): ``reward`` is None and
+    ``reward_error`` says why, but it is not counted as an error."""
 
 
 @dataclass

@@ -107,7 +107,7 @@ def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, f
     metrics = {
         "reward/mean": _mean(rewards[valid]),
         "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
-        "reward/errors": float((~valid).sum()),
+        "reward/errors": float((~valid).sum()) - sum(r.dropped for r in rollouts),
         "length/mean": float(lengths.mean()),
         "length/max": float(lengths.max()),
         "length/clipped_frac": float(clipped.mean()),

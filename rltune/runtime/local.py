@@ -92,7 +92,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
         run_dir=run_dir,
         # preference runs are judged without generating (a reward model cannot)
         generator=None if cfg.algo.name in PREFERENCE_METHODS else HFGenerator(model, tokenizer, rng=rng),
-        scorer=LocalScorer(reward_fns) if reward_fns else None,
+        scorer=_scorer(cfg, reward_fns),
         learner=learner,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
         train_prompts=train_prompts,
@@ -176,10 +176,23 @@ def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module):
     return partial(predict, reference, logprobs_only, **kwargs)
 
 
+def _scorer(cfg: Config, reward_fns: list) -> LocalScorer | None:
+    if not reward_fns:
+        return None
+    r = cfg.runtime
+    return LocalScorer(
+        reward_fns, max_workers=r.reward_workers, pool=r.reward_pool, cache_size=r.reward_cache_size
+    )
+
+
 def run_local(cfg: Config, *, config_dir: Path | None = None) -> Run:
     """Train ``cfg`` in this process and export the final model."""
     run = build_run(cfg, config_dir=config_dir)
-    train(run)
+    try:
+        train(run)
+    finally:
+        if run.scorer is not None:
+            run.scorer.close()
     if cfg.checkpoint.final:
         export_hf(run.learner.model, run.tokenizer, run.run_dir / "final")
     return run

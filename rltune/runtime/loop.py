@@ -20,6 +20,7 @@ from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams, TrainBatch
 from rltune.data.sampler import PromptSampler
 from rltune.metrics.sinks import ConsoleProgress, JsonlWriter
+from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.evaluate import evaluate
 from rltune.runtime.experience import make_experience, rewards_tensor, rollout_metrics
 from rltune.runtime.state import restore, save
@@ -31,7 +32,7 @@ class Generator(Protocol):
 
 
 class Scorer(Protocol):
-    def score(self, prompts: dict[str, Prompt], rollouts: list[Rollout]) -> Any: ...
+    def score(self, prompts: dict[str, Prompt], rollouts: list[Rollout]) -> ScoreStats: ...
 
 
 class Learner(Protocol):
@@ -162,7 +163,7 @@ def collect_rollouts(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k, stop=cfg.rollout.stop,
     )
-    rollouts = _generate_and_score(run, prompts, params, clock, group_offset=0)
+    rollouts = _generate_and_score(run, prompts, params, clock, metrics, group_offset=0)
     if not cfg.algo.dynamic_sampling:
         return prompts, rollouts
     wanted, group = len(prompts), cfg.algo.group_size
@@ -171,7 +172,7 @@ def collect_rollouts(
     while len(kept_prompts) < wanted and rounds < cfg.algo.max_refill_rounds:
         rounds += 1
         more = _draw(run, wanted - len(kept_prompts))
-        new = _generate_and_score(run, more, params, clock, group_offset=drawn)
+        new = _generate_and_score(run, more, params, clock, metrics, group_offset=drawn)
         drawn += len(more)
         more_prompts, more_rollouts = _groups_with_signal(more, new, group)
         kept_prompts += more_prompts
@@ -182,11 +183,14 @@ def collect_rollouts(
 
 
 def _generate_and_score(
-    run: Run, prompts: list[Prompt], params: SamplingParams, clock: "_Clock", *, group_offset: int
+    run: Run, prompts: list[Prompt], params: SamplingParams, clock: "_Clock",
+    metrics: dict[str, float], *, group_offset: int,
 ) -> list[Rollout]:
     rollouts = run.generator.generate(prompts, params, group_offset=group_offset)
     clock.mark("generate")
-    run.scorer.score({p.id: p for p in prompts}, rollouts)
+    stats = run.scorer.score({p.id: p for p in prompts}, rollouts)
+    for key, value in stats.metrics().items():  # summed over refill rounds
+        metrics[key] = metrics.get(key, 0.0) + value
     if run.cfg.algo.overlong_buffer:
         _apply_overlong_penalty(run, rollouts)
     clock.mark("score")
@@ -281,6 +285,7 @@ def _write_samples(
             "reward": r.reward,
             "rewards": r.rewards,
             "reward_error": r.reward_error,
+            "dropped": r.dropped,
             "finish_reason": r.finish_reason,
             "length": len(r.completion_ids),
             "policy_version": r.policy_version,

@@ -1,0 +1,69 @@
+"""A run whose reward function raises, hangs or returns None on some samples: the run goes
+on, those samples are errors (masked, counted, shown with their message in samples.jsonl),
+never zeros, and a hung call costs its timeout, not the run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from rltune.runtime.local import build_run
+from rltune.runtime.loop import train
+
+pytestmark = pytest.mark.usefixtures("keep_torch_threads")
+
+MISBEHAVING = '''
+import time
+
+def moody(prompt, completion, **meta):
+    """1 + digit share, except on a quarter of the completions each (by a checksum of
+    the text): raise, hang, or return None."""
+    kind = sum(completion.encode()) % 4
+    if kind == 0:
+        raise ValueError("cannot parse " + repr(completion[:5]))
+    if kind == 1:
+        time.sleep(30)
+    if kind == 2:
+        return None
+    return 1.0 + sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+'''
+
+
+# worker processes restart after every killed call (a fresh interpreter each): slow
+@pytest.mark.parametrize("pool", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_raising_hanging_and_none_rewards_are_errors_not_zeros(tmp_path: Path, tiny_grpo_config, pool: str) -> None:
+    reward_file = tmp_path / "moody.py"
+    reward_file.write_text(MISBEHAVING)
+    cfg = tiny_grpo_config(
+        f"reward.0.fn={reward_file}:moody", "reward.0.timeout_s=0.5", "train.steps=3",
+        "train.threads=1", f"runtime.reward_pool={pool}", "runtime.reward_workers=4",
+    )
+    run = build_run(cfg)
+    start = time.perf_counter()
+    try:
+        history = train(run)
+    finally:
+        run.scorer.close()
+    elapsed = time.perf_counter() - start
+    rows = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 8 * 8
+    errors = [r for r in rows if r["reward_error"] is not None]
+    kinds = {
+        "raise": [r for r in errors if "ValueError: cannot parse" in r["reward_error"]],
+        "none": [r for r in errors if r["reward_error"] == "moody: returned None"],
+        "hang": [r for r in errors if r["reward_error"] == "moody: timed out (call took over 0.5 s)"],
+    }
+    assert all(kinds.values()), {k: len(v) for k, v in kinds.items()}
+    assert sum(len(v) for v in kinds.values()) == len(errors)
+    for row in errors:
+        assert row["reward"] is None and row["rewards"]["moody"] is None
+    scored = [r for r in rows if r["reward_error"] is None]
+    assert scored and all(r["reward"] >= 1.0 for r in scored)
+    assert sum(m["reward/errors"] for m in history) == len(errors)
+    assert sum(m["reward/timeouts"] for m in history) == len(kinds["hang"])
+    # hung calls run at once, each cut at 0.5 s: far from 30 s per hung sample
+    assert elapsed < 60, elapsed
+    assert all(m["reward/time/moody"] >= 0 for m in history)

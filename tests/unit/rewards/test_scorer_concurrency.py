@@ -1,0 +1,308 @@
+"""LocalScorer's runtime: timeouts, the cache, async and batched forms, worker processes,
+dropped samples and per-reward timing."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rltune.config.schema import RewardFnConfig
+from rltune.data.records import Prompt, Rollout
+from rltune.rewards.contract import SampleDropped, batched
+from rltune.rewards.scorer import LocalScorer, RewardFn, build_reward_fns
+
+
+def _rollout(prompt_id: str, text: str) -> Rollout:
+    return Rollout(
+        prompt_id=prompt_id, group=0, prompt_ids=torch.tensor([1]), completion_ids=torch.tensor([2]),
+        completion_logprobs=None, loss_mask=torch.ones(1), text=text, finish_reason="stop",
+        policy_version=0,
+    )
+
+
+PROMPTS = {"a": Prompt(id="a", text="a?", meta={"answer": 1}), "b": Prompt(id="b", text="b?")}
+
+
+def _length(prompt, completion, **meta):
+    return float(len(completion))
+
+
+def test_a_hung_call_times_out_as_an_error_and_the_rest_still_score() -> None:
+    release = threading.Event()
+
+    def sometimes_hangs(prompt, completion, **meta):
+        if completion == "hang":
+            release.wait(30)
+        return 1.0
+
+    scorer = LocalScorer([RewardFn("r", sometimes_hangs, timeout_s=0.3)], max_workers=2)
+    rollouts = [_rollout("a", "ok"), _rollout("a", "hang"), _rollout("b", "fine")]
+    start = time.perf_counter()
+    stats = scorer.score(PROMPTS, rollouts)
+    elapsed = time.perf_counter() - start
+    release.set()
+    assert elapsed < 2.0
+    assert [r.reward for r in rollouts] == [1.0, None, 1.0]
+    assert rollouts[1].reward_error == "r: timed out (call took over 0.3 s)"
+    assert stats.timeouts == 1 and stats.errors == 1 and stats.per_fn_errors == {"r": 1}
+    # the pool that holds the hung thread is replaced: the next round runs at full width
+    later = [_rollout("a", "x"), _rollout("b", "y")]
+    scorer.score(PROMPTS, later)
+    assert [r.reward for r in later] == [1.0, 1.0]
+    scorer.close()
+
+
+def test_a_timeout_counts_from_when_the_call_starts_not_when_it_was_queued() -> None:
+    def slow(prompt, completion, **meta):
+        time.sleep(0.2)
+        return 1.0
+
+    # one worker, four calls of 0.2 s: the last waits 0.6 s in the queue, under its 0.5 s limit
+    scorer = LocalScorer([RewardFn("r", slow, timeout_s=0.5, cache=False)], max_workers=1)
+    rollouts = [_rollout("a", "x") for _ in range(4)]
+    stats = scorer.score(PROMPTS, rollouts)
+    assert [r.reward for r in rollouts] == [1.0] * 4 and stats.timeouts == 0
+    scorer.close()
+
+
+def test_identical_calls_run_once_per_round_and_are_cached_across_rounds() -> None:
+    calls: list[str] = []
+
+    def counted(prompt, completion, **meta):
+        calls.append(completion)
+        return float(len(completion))
+
+    scorer = LocalScorer([RewardFn("n", counted)], max_workers=3)
+    first = [_rollout("a", "xx"), _rollout("a", "xx"), _rollout("b", "xx"), _rollout("a", "yyy")]
+    stats = scorer.score(PROMPTS, first)
+    assert sorted(calls) == ["xx", "xx", "yyy"]  # ("a","xx") once; ("b","xx") is another prompt
+    assert [r.reward for r in first] == [2.0, 2.0, 2.0, 3.0]
+    assert stats.calls == {"n": 3} and stats.cache_hits == 0
+    second = [_rollout("a", "xx"), _rollout("b", "zz")]
+    stats = scorer.score(PROMPTS, second)
+    assert sorted(calls) == ["xx", "xx", "yyy", "zz"]
+    assert stats.cache_hits == 1 and stats.calls == {"n": 1}
+    assert [r.reward for r in second] == [2.0, 2.0]
+    scorer.close()
+
+
+def test_errors_are_not_cached_and_cache_off_calls_every_sample() -> None:
+    state = {"fail": True}
+    calls: list[str] = []
+
+    def flaky(prompt, completion, **meta):
+        calls.append(completion)
+        if state["fail"]:
+            raise RuntimeError("service down")
+        return 1.0
+
+    scorer = LocalScorer([RewardFn("f", flaky)])
+    r1 = [_rollout("a", "x")]
+    scorer.score(PROMPTS, r1)
+    assert r1[0].reward is None and r1[0].reward_error == "f: RuntimeError: service down"
+    state["fail"] = False
+    r2 = [_rollout("a", "x")]
+    scorer.score(PROMPTS, r2)
+    assert r2[0].reward == 1.0 and calls == ["x", "x"]
+    uncached = LocalScorer([RewardFn("g", flaky, cache=False)])
+    calls.clear()
+    uncached.score(PROMPTS, [_rollout("a", "x"), _rollout("a", "x")])
+    assert calls == ["x", "x"]
+    scorer.close()
+    uncached.close()
+
+
+def test_the_cache_keeps_the_most_recently_used_entries() -> None:
+    calls: list[str] = []
+
+    def counted(prompt, completion, **meta):
+        calls.append(completion)
+        return 1.0
+
+    scorer = LocalScorer([RewardFn("n", counted)], cache_size=2)
+    for text in ["a", "b", "a", "c", "a", "b"]:  # "b" is evicted by "c", "a" stays in use
+        scorer.score(PROMPTS, [_rollout("a", text)])
+    assert calls == ["a", "b", "c", "b"]
+    scorer.close()
+
+
+def test_async_rewards_run_concurrently_and_time_out_by_cancelling() -> None:
+    async def judge(prompt, completion, **meta):
+        await asyncio.sleep(5.0 if completion == "slow" else 0.2)
+        return 0.5
+
+    scorer = LocalScorer([RewardFn("j", judge, timeout_s=1.0, cache=False)], max_workers=1)
+    rollouts = [_rollout("a", f"t{i}") for i in range(10)] + [_rollout("b", "slow")]
+    start = time.perf_counter()
+    stats = scorer.score(PROMPTS, rollouts)
+    elapsed = time.perf_counter() - start
+    # ten 0.2 s calls at once (not 2 s in a row), the slow one cut at 1 s
+    assert elapsed < 1.8
+    assert [r.reward for r in rollouts[:10]] == [0.5] * 10
+    assert rollouts[10].reward is None and stats.timeouts == 1
+    assert rollouts[10].reward_error == "j: timed out (call took over 1 s)"
+    scorer.close()
+
+
+def test_batched_rewards_get_one_call_and_per_item_errors() -> None:
+    seen: list[list[str]] = []
+
+    @batched
+    def scores(prompts, completions, *, scale=1.0):
+        seen.append(list(completions))
+        out = []
+        for p, c in zip(prompts, completions):
+            if c == "none":
+                out.append(None)
+            elif c == "bad":
+                out.append(ValueError("judge reply had no score"))
+            else:
+                out.append(scale * len(c) + p.meta.get("answer", 0))
+        return out
+
+    scorer = LocalScorer([RewardFn("s", scores, kwargs={"scale": 2.0})])
+    rollouts = [_rollout("a", "xy"), _rollout("b", "none"), _rollout("b", "bad"), _rollout("a", "xy")]
+    stats = scorer.score(PROMPTS, rollouts)
+    assert seen == [["xy", "none", "bad"]]  # one call, duplicates made once
+    assert [r.reward for r in rollouts] == [5.0, None, None, 5.0]
+    assert rollouts[1].reward_error == "s: returned None"
+    assert rollouts[2].reward_error == "s: ValueError: judge reply had no score"
+    assert stats.calls == {"s": 1} and stats.per_fn_errors == {"s": 2}
+    scorer.close()
+
+
+def test_a_batched_reward_that_raises_or_miscounts_fails_every_sample_it_covered() -> None:
+    @batched
+    def raises(prompts, completions):
+        raise ConnectionError("no route")
+
+    @batched
+    def short(prompts, completions):
+        return [1.0]
+
+    for fn, message in [(raises, "b: ConnectionError: no route"), (short, "b: returned 1 values for 2 completions")]:
+        rollouts = [_rollout("a", "x"), _rollout("b", "y")]
+        with LocalScorer([RewardFn("b", fn)]) as scorer:
+            stats = scorer.score(PROMPTS, rollouts)
+        assert [r.reward_error for r in rollouts] == [message, message]
+        assert stats.errors == 2
+
+
+def test_async_batched_rewards_are_awaited() -> None:
+    @batched
+    async def remote(prompts, completions):
+        await asyncio.sleep(0.01)
+        return [float(len(c)) for c in completions]
+
+    rollouts = [_rollout("a", "abc"), _rollout("b", "de")]
+    with LocalScorer([RewardFn("r", remote)]) as scorer:
+        scorer.score(PROMPTS, rollouts)
+    assert [r.reward for r in rollouts] == [3.0, 2.0]
+
+
+def test_a_dropped_sample_is_masked_but_not_an_error() -> None:
+    def safety(prompt, completion, **meta):
+        if "bad" in completion:
+            raise SampleDropped("rule weapons")
+        return 0.0
+
+    rollouts = [_rollout("a", "fine"), _rollout("a", "bad words")]
+    with LocalScorer([RewardFn("len", _length), RewardFn("safety", safety)]) as scorer:
+        stats = scorer.score(PROMPTS, rollouts)
+    assert rollouts[0].reward == 4.0 and not rollouts[0].dropped
+    assert rollouts[1].reward is None and rollouts[1].dropped
+    assert rollouts[1].reward_error == "safety: dropped: rule weapons"
+    assert stats.dropped == 1 and stats.errors == 0
+    assert stats.metrics()["reward/dropped"] == 1.0 and stats.metrics()["reward/errors/safety"] == 0.0
+
+
+def test_metrics_time_each_reward_function() -> None:
+    def slow(prompt, completion, **meta):
+        time.sleep(0.05)
+        return 1.0
+
+    with LocalScorer([RewardFn("slow", slow, cache=False), RewardFn("len", _length)]) as scorer:
+        stats = scorer.score(PROMPTS, [_rollout("a", "x"), _rollout("b", "y")])
+    m = stats.metrics()
+    assert 0.1 <= m["reward/time/slow"] < 0.5
+    assert m["reward/time/len"] < 0.05
+    assert m["reward/calls/slow"] == 2.0 and m["reward/timeouts"] == 0.0
+
+
+def test_results_do_not_depend_on_the_pool_width() -> None:
+    rollouts = lambda: [_rollout("ab"[i % 2], "x" * i) for i in range(20)]  # noqa: E731
+    widths = []
+    for workers in (1, 8):
+        rs = rollouts()
+        with LocalScorer([RewardFn("len", _length, cache=False)], max_workers=workers) as scorer:
+            scorer.score(PROMPTS, rs)
+        widths.append([r.reward for r in rs])
+    assert widths[0] == widths[1] == [float(i) for i in range(20)]
+
+
+REWARD_FILE = textwrap.dedent(
+    """
+    import os, time
+
+    def cpu(prompt, completion, **meta):
+        if completion == "hang":
+            while True:
+                pass
+        if completion == "die":
+            os._exit(3)
+        return float(len(completion)) + meta.get("bonus", 0)
+
+    def pid(prompt, completion, **meta):
+        return float(os.getpid())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def process_scorer(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("rewards")
+    (directory / "r.py").write_text(REWARD_FILE)
+    fns = build_reward_fns(
+        [RewardFnConfig(fn="r.py:cpu", kwargs={"bonus": 10}, timeout_s=2.0),
+         RewardFnConfig(fn="r.py:pid", cache=False)],
+        base_dir=str(directory),
+    )
+    scorer = LocalScorer(fns, max_workers=2, pool="process")
+    yield scorer
+    scorer.close()
+
+
+def test_process_workers_score_kill_hung_calls_and_survive_a_dying_worker(process_scorer: LocalScorer) -> None:
+    import os
+
+    rollouts = [_rollout("a", "abc"), _rollout("a", "hang"), _rollout("b", "die"), _rollout("b", "de")]
+    stats = process_scorer.score(PROMPTS, rollouts)
+    assert rollouts[0].rewards["cpu"] == 13.0 and rollouts[3].rewards["cpu"] == 12.0
+    assert rollouts[1].reward_error == "cpu: timed out (call took over 2 s)"
+    assert rollouts[2].reward_error == "cpu: the reward worker process died (exit code 3)"
+    assert stats.timeouts == 1 and stats.errors == 2
+    assert all(r.rewards["pid"] != float(os.getpid()) for r in rollouts)  # ran elsewhere
+    # the killed and the dead worker were replaced: the pool works at full width again
+    again = [_rollout("a", "x" * i) for i in range(1, 5)]
+    process_scorer.score(PROMPTS, again)
+    assert [r.rewards["cpu"] for r in again] == [11.0, 12.0, 13.0, 14.0]
+
+
+def test_process_pool_refuses_a_function_it_cannot_ship() -> None:
+    local = lambda p, c, **m: 1.0  # noqa: E731
+    with pytest.raises(ValueError, match="reward 'local' cannot run in a worker process"):
+        LocalScorer([RewardFn("local", local)], pool="process", max_workers=1)
+
+
+def test_config_sets_timeout_and_cache(tmp_path: Path) -> None:
+    (tmp_path / "r.py").write_text("def f(prompt, completion, **meta):\n    return 1.0\n")
+    [rf] = build_reward_fns([RewardFnConfig(fn="r.py:f", timeout_s=3.5, cache=False)], base_dir=str(tmp_path))
+    assert rf.timeout_s == 3.5 and rf.cache is False and rf.spec == "r.py:f"
+    with pytest.raises(ValueError):
+        RewardFnConfig(fn="r.py:f", timeout_s=0)
