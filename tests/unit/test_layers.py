@@ -6,8 +6,8 @@ functions or under ``if TYPE_CHECKING:``. A violation is reported as ``FILE:LINE
 Layers, low to high; a package may import itself and the packages of lower layers only
 (two packages of one layer are independent of each other)::
 
-    algos, config -> data -> models -> rollout, rewards -> learner -> checkpoint
-        -> metrics -> runtime -> cli
+    algos, config, sandbox -> data -> models -> rollout, rewards -> envs, learner
+        -> checkpoint -> metrics -> runtime -> cli
 
 Besides the layers: ``algos`` imports only torch and the standard library, ``config``
 imports no torch, and the optional dependencies (ray, vllm, wandb, mlflow) appear only in
@@ -32,33 +32,35 @@ PACKAGE_DIR = Path(rltune.__file__).parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 ORDER: list[tuple[str, ...]] = [
-    ("algos", "config"),
+    ("algos", "config", "sandbox"),
     ("data",),
     ("models",),
     ("rollout", "rewards"),
-    ("learner",),
+    ("envs", "learner"),
     ("checkpoint",),
     ("metrics",),
     ("runtime",),
     ("cli",),
 ]
 
-_BASE = {"algos", "config"}
+_BASE = {"algos", "config", "sandbox"}
 ALLOWED: dict[str, set[str]] = {
     "algos": {"algos"},
     "config": {"config"},
+    "sandbox": {"sandbox"},
     "data": {"data"} | _BASE,
     "models": {"models", "data"} | _BASE,
     "rollout": {"rollout", "models", "data"} | _BASE,
     "rewards": {"rewards", "models", "data"} | _BASE,
+    "envs": {"envs", "rollout", "rewards", "models", "data"} | _BASE,
     "learner": {"learner", "rollout", "rewards", "models", "data"} | _BASE,
-    "checkpoint": {"checkpoint", "learner", "rollout", "rewards", "models", "data"} | _BASE,
-    "metrics": {"metrics", "checkpoint", "learner", "rollout", "rewards", "models", "data"} | _BASE,
+    "checkpoint": {"checkpoint", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
+    "metrics": {"metrics", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
     "runtime": {
-        "runtime", "metrics", "checkpoint", "learner", "rollout", "rewards", "models", "data",
+        "runtime", "metrics", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
     "cli": {
-        "cli", "runtime", "metrics", "checkpoint", "learner", "rollout", "rewards", "models", "data",
+        "cli", "runtime", "metrics", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
 }
 """Package -> the packages of rltune it may import. ``rltune`` itself (the top-level

@@ -83,3 +83,42 @@ THINK = r"<think>.*</think>\s*<answer>.*</answer>"
 )
 def test_format_regex_fullmatch(completion: str, expected: float) -> None:
     assert format_regex(PROMPT, completion, pattern=THINK) == expected
+
+
+# -- length rewards -------------------------------------------------------------------------
+
+from rltune.rewards.builtin import length_penalty, overlong  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [(0, 0.0), (100, 0.0), (101, -0.01), (150, -0.5), (200, -1.0), (500, -1.0)],
+)
+def test_length_penalty_by_hand(length: int, expected: float) -> None:
+    got = length_penalty(None, "x" * length, max_chars=100, per_char=0.01, cap=1.0)
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    # max 100, buffer 20: free up to 80, then -(L - 80) / 20 * 2, -2 past 100
+    [(0, 0.0), (80, 0.0), (81, -0.1), (90, -1.0), (100, -2.0), (101, -2.0), (400, -2.0)],
+)
+def test_overlong_by_hand(length: int, expected: float) -> None:
+    got = overlong(None, "y" * length, max_chars=100, buffer_chars=20, penalty=2.0)
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_length_rewards_reject_negative_settings() -> None:
+    with pytest.raises(ValueError, match="max_chars, per_char and cap must be >= 0"):
+        length_penalty(None, "x", max_chars=-1)
+    with pytest.raises(ValueError, match="buffer"):
+        overlong(None, "x", max_chars=10, buffer_chars=11)
+
+
+def test_model_based_builtins_load_by_short_name() -> None:
+    from rltune.rewards.loading import load_reward_fn
+    from rltune.rewards.contract import is_batched
+
+    for name in ("reward_model", "llm_judge", "safety"):
+        assert is_batched(load_reward_fn(f"builtin:{name}")), name
