@@ -17,13 +17,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.checkpoint.store import CheckpointError
     from rltune.config import ConfigError
     from rltune.data.loaders import DataError
+    from rltune.envs.loading import EnvLoadError
     from rltune.learner.learner import NonFiniteError
     from rltune.models.load import ModelLoadError
     from rltune.rewards.loading import RewardLoadError
 
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
-        ExportError,
+        ExportError, EnvLoadError,
     )
 
 

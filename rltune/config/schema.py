@@ -205,6 +205,22 @@ class RewardFnConfig(_Section):
     not a function of its inputs."""
 
 
+class EnvConfig(_Section):
+    """A multi-turn environment (``rltune.envs``): episodes instead of single completions."""
+
+    name: str | None = None
+    """``builtin:NAME`` (``tools``), ``module:factory`` or ``path/to/file.py:factory``; the
+    factory is called with ``kwargs`` once per episode and returns an Environment. None:
+    single-turn generation."""
+    kwargs: dict[str, object] = Field(default_factory=dict)
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode; the episode ends after the last one."""
+    max_total_tokens: int = Field(512, ge=1)
+    """Completion tokens per episode, the model's and the environment's together; an
+    episode that reaches it ends with finish_reason ``length``. Each turn generates at most
+    ``rollout.max_new_tokens``."""
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, ge=0)
     prompts_per_step: int = Field(16, ge=1)
@@ -274,6 +290,7 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: tuple[RewardFnConfig, ...] = ()
+    env: EnvConfig = EnvConfig()
     train: TrainConfig = TrainConfig()
     log: LogConfig = LogConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -283,8 +300,11 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check(self) -> "Config":
         name = self.algo.name
-        if name in ONLINE_ALGOS and not self.reward:
-            raise ValueError(f"algo.name={name} needs at least one entry in `reward`")
+        if name in ONLINE_ALGOS and not self.reward and self.env.name is None:
+            raise ValueError(
+                f"algo.name={name} needs at least one entry in `reward` (or an `env` whose "
+                "steps give rewards)"
+            )
         for problem in _algo_problems(self.algo):
             raise ValueError(problem)
         if name == "gspo" and self.algo.aggregation != "seq-mean-token-mean":

@@ -73,6 +73,15 @@ class Rollout:
     dropped: bool = False
     """A reward dropped the sample on purpose (a safety filter): ``reward`` is None and
     ``reward_error`` says why, but it is not counted as an error."""
+    turns: list[dict[str, Any]] | None = None
+    """Multi-turn episodes: the exchange after the prompt, ``{"role", "content"}`` per turn
+    (``assistant`` turns are the model's, ``tool`` turns the environment's); ``text`` is the
+    last assistant turn."""
+    env_reward: float | None = None
+    """Multi-turn episodes: the sum of the environment's step rewards (None: no
+    environment, or it failed)."""
+    env_error: str | None = None
+    """Multi-turn episodes: why the environment failed; the sample then gets no reward."""
 
 
 @dataclass

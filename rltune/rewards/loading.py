@@ -43,19 +43,30 @@ def load_reward_fn(spec: str, *, base_dir: str | None = None) -> Callable[..., A
     ``base_dir``: where relative file paths are looked up first (then the current working
     directory). Raises :class:`RewardLoadError` naming the part of the spec that is wrong.
     """
+    fn = load_callable(spec, base_dir=base_dir, aliases=_MODULE_ALIASES)
+    check_reward_signature(fn, spec=spec)
+    return fn
+
+
+def load_callable(
+    spec: str, *, base_dir: str | None = None, aliases: dict[str, str] | None = None,
+    what: str = "reward", allow_class: bool = False,
+) -> Callable[..., Any]:
+    """The callable named by ``module:attr`` or ``path/to/file.py:attr`` (``aliases`` maps
+    short module names such as ``builtin``). ``what`` names the kind of spec in errors;
+    ``allow_class`` accepts a class (a factory whose instances are the objects wanted).
+    Raises :class:`RewardLoadError` naming the part of the spec that is wrong."""
     target, sep, attr = spec.strip().rpartition(":")
     if not sep or not target or not attr:
         raise RewardLoadError(
-            f"reward spec {spec!r}: expected `module:function` or `path/to/file.py:function` "
+            f"{what} spec {spec!r}: expected `module:function` or `path/to/file.py:function` "
             "(e.g. `builtin:exact_numeric` or `rewards.py:my_reward`)"
         )
     if _is_file_target(target):
         module = _load_file(target, spec=spec, base_dir=base_dir)
     else:
-        module = _import_module(_MODULE_ALIASES.get(target, target), spec=spec, base_dir=base_dir)
-    fn = _get_callable(module, attr, spec=spec)
-    check_reward_signature(fn, spec=spec)
-    return fn
+        module = _import_module((aliases or {}).get(target, target), spec=spec, base_dir=base_dir)
+    return _get_callable(module, attr, spec=spec, allow_class=allow_class, what=what)
 
 
 def check_reward_signature(fn: Callable[..., Any], *, spec: str) -> None:
@@ -151,23 +162,26 @@ def _file_form_hint(name: str, *, base_dir: str | None) -> str:
     return ""
 
 
-def _get_callable(module: ModuleType, attr: str, *, spec: str) -> Callable[..., Any]:
+def _get_callable(
+    module: ModuleType, attr: str, *, spec: str, allow_class: bool = False, what: str = "reward"
+) -> Callable[..., Any]:
     if not hasattr(module, attr):
         available = _public_callables(module)
         close = difflib.get_close_matches(attr, available, n=1)
         suggestion = f"; did you mean {close[0]!r}?" if close else ""
         listing = ", ".join(available) if available else "none"
         raise RewardLoadError(
-            f"reward spec {spec!r}: module {module.__name__!r} has no attribute {attr!r}"
+            f"{what} spec {spec!r}: module {module.__name__!r} has no attribute {attr!r}"
             f"{suggestion} (its functions: {listing})"
         )
     fn = getattr(module, attr)
-    if not callable(fn) or inspect.isclass(fn):
-        what = "a class" if inspect.isclass(fn) else f"a value of type {type(fn).__name__}"
-        raise RewardLoadError(
-            f"reward spec {spec!r}: {attr!r} is {what}, not a function; a reward is "
-            "`def fn(prompt, completion, **meta) -> float | None`"
+    if not callable(fn) or (inspect.isclass(fn) and not allow_class):
+        kind = "a class" if inspect.isclass(fn) else f"a value of type {type(fn).__name__}"
+        hint = (
+            "a reward is `def fn(prompt, completion, **meta) -> float | None`" if what == "reward"
+            else f"a {what} spec names a function or class"
         )
+        raise RewardLoadError(f"{what} spec {spec!r}: {attr!r} is {kind}, not a function; {hint}")
     return fn
 
 

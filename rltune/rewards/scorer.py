@@ -195,8 +195,6 @@ class LocalScorer:
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        if not reward_fns:
-            raise ValueError("LocalScorer needs at least one reward function")
         if pool not in ("thread", "process"):
             raise ValueError(f"pool must be 'thread' or 'process', got {pool!r}")
         self.reward_fns = list(reward_fns)
@@ -220,7 +218,7 @@ class LocalScorer:
         missing = sorted({r.prompt_id for r in rollouts if r.prompt_id not in prompts})
         if missing:
             raise KeyError(f"rollouts refer to prompt ids not passed to score(): {missing[:5]}")
-        samples = [(prompts[r.prompt_id], r.text) for r in rollouts]
+        samples = [_Sample(prompts[r.prompt_id], r.text, r.turns) for r in rollouts]
         round_ = _Round(self, samples)
         outcomes = round_.run()
         for i, rollout in enumerate(rollouts):
@@ -341,14 +339,14 @@ async def _cancel_all() -> None:
 class _Round:
     """One ``score()`` call: which calls to make, making them, and collecting outcomes."""
 
-    def __init__(self, scorer: LocalScorer, samples: list[tuple[Prompt, str]]) -> None:
+    def __init__(self, scorer: LocalScorer, samples: list["_Sample"]) -> None:
         self.scorer = scorer
         self.samples = samples
         n = len(samples)
         self.outcomes: list[list[_Outcome | None]] = [[None] * n for _ in scorer.reward_fns]
         self.calls: dict[str, int] = {rf.name: 0 for rf in scorer.reward_fns}
         self.cache_hits = 0
-        keys = [_sample_key(p, c) for p, c in samples]
+        keys = [_sample_key(sample) for sample in samples]
         # per function: unique sample key -> the samples that share it
         self.groups: list[dict[str, list[int]]] = []
         for k, rf in enumerate(scorer.reward_fns):
@@ -380,20 +378,23 @@ class _Round:
     # -- submitting -----------------------------------------------------------------------
 
     def _submit(self, k: int, rf: RewardFn, rows: list[int]) -> "_Job":
-        prompts = [self.samples[i][0] for i in rows]
-        texts = [self.samples[i][1] for i in rows]
+        prompts = [self.samples[i].prompt for i in rows]
+        texts = [self.samples[i].completion for i in rows]
         job = _Job(k, rf, rows)
         if rf.is_async:
-            coro = _call_async(rf, prompts, texts) if rf.batched else _call_async_one(rf, prompts[0], texts[0])
+            coro = (
+                _call_async(rf, prompts, texts) if rf.batched
+                else _call_async_one(rf, self.samples[rows[0]])
+            )
             job.future = asyncio.run_coroutine_threadsafe(coro, self.scorer._event_loop())
             job.started = time.perf_counter()  # the loop starts every coroutine at once
             job.kind = "async"
         elif self.scorer.pool == "process" and not rf.batched:
             job.kind = "process"
-            self.scorer._process_pool().submit(job, prompts[0], texts[0])
+            self.scorer._process_pool().submit(job, self.samples[rows[0]])
         else:
             job.kind = "thread"
-            job.future = self.scorer._thread_pool().submit(_run_in_thread, job, prompts, texts)
+            job.future = self.scorer._thread_pool().submit(_run_in_thread, job, [self.samples[i] for i in rows])
         return job
 
     # -- collecting -----------------------------------------------------------------------
@@ -431,7 +432,7 @@ class _Round:
     def _finish(self, job: "_Job", result: list[_Outcome]) -> None:
         rf = job.rf
         for row, outcome in zip(job.rows, result):
-            key = _sample_key(*self.samples[row]) if rf.cache else str(row)
+            key = _sample_key(self.samples[row]) if rf.cache else str(row)
             members = self.groups[job.k][key]
             for i in members:
                 self.outcomes[job.k][i] = outcome if i == row else _shared(outcome)
@@ -468,29 +469,41 @@ def _timeout_result(job: _Job, limit: float) -> list[_Outcome]:
     return [_Outcome(None, message, limit, timed_out=True)] * len(job.rows)
 
 
-def _run_in_thread(job: _Job, prompts: list[Prompt], texts: list[str]) -> list[_Outcome]:
+@dataclass(frozen=True)
+class _Sample:
+    """What a reward sees of one rollout: its prompt, the completion (an episode's last
+    turn) and, for episodes, the turns (given to per-sample rewards as ``turns``)."""
+
+    prompt: Prompt
+    completion: str
+    turns: list[dict[str, Any]] | None = None
+
+    def meta(self, rf: RewardFn) -> dict[str, Any]:
+        turns = {} if self.turns is None else {"turns": self.turns}
+        return {**self.prompt.meta, **turns, **rf.kwargs}
+
+
+def _run_in_thread(job: _Job, samples: list[_Sample]) -> list[_Outcome]:
     job.started = time.perf_counter()
     if job.rf.batched:
-        return _call_batch(job.rf, prompts, texts)
-    return [_call_one(job.rf, prompts[0], texts[0])]
+        return _call_batch(job.rf, [s.prompt for s in samples], [s.completion for s in samples])
+    return [_call_one(job.rf, samples[0])]
 
 
-def _call_one(rf: RewardFn, prompt: Prompt, completion: str) -> _Outcome:
+def _call_one(rf: RewardFn, sample: _Sample) -> _Outcome:
     """One call of one per-sample reward function; every failure becomes an error."""
-    meta = {**prompt.meta, **rf.kwargs}
     start = time.perf_counter()
     try:
-        value = rf.fn(prompt, completion, **meta)
+        value = rf.fn(sample.prompt, sample.completion, **sample.meta(rf))
     except Exception as exc:  # user code: any failure is "no score", reported by name
         return _error_outcome(rf, exc, time.perf_counter() - start)
     return _checked(rf, value, time.perf_counter() - start)
 
 
-async def _call_async_one(rf: RewardFn, prompt: Prompt, completion: str) -> list[_Outcome]:
-    meta = {**prompt.meta, **rf.kwargs}
+async def _call_async_one(rf: RewardFn, sample: _Sample) -> list[_Outcome]:
     start = time.perf_counter()
     try:
-        value = await rf.fn(prompt, completion, **meta)
+        value = await rf.fn(sample.prompt, sample.completion, **sample.meta(rf))
     except Exception as exc:
         return [_error_outcome(rf, exc, time.perf_counter() - start)]
     return [_checked(rf, value, time.perf_counter() - start)]
@@ -551,25 +564,37 @@ def _checked(rf: RewardFn, value: Any, seconds: float) -> _Outcome:
     return _Outcome(float(value), None, seconds)
 
 
-def _sample_key(prompt: Prompt, completion: str) -> str:
-    """What a reward can depend on: the prompt (id, content, meta) and the completion."""
+def _sample_key(sample: _Sample) -> str:
+    """What a reward can depend on: the prompt (id, content, meta), the completion and
+    an episode's turns."""
+    prompt = sample.prompt
     body = json.dumps(
-        [prompt.id, prompt.text, prompt.messages, prompt.meta, completion],
+        [prompt.id, prompt.text, prompt.messages, prompt.meta, sample.completion, sample.turns],
         sort_keys=True, default=repr, ensure_ascii=False,
     )
     return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
 
 
 def _fill(rollout: Rollout, reward_fns: Sequence[RewardFn], outcomes: Sequence[_Outcome]) -> None:
+    """The rollout's rewards: each function's value, an episode's ``env`` reward, and the
+    sum (weighted functions plus the env reward), None when any part failed."""
     rollout.rewards = {rf.name: o.value for rf, o in zip(reward_fns, outcomes)}
     errors = [o.error for o in outcomes if o.error is not None and not o.dropped]
     drops = [o.error for o in outcomes if o.dropped]
+    episode = rollout.turns is not None or rollout.env_error is not None
+    if episode:
+        rollout.rewards["env"] = rollout.env_reward
+        if rollout.env_error is not None:
+            errors.insert(0, rollout.env_error)
+    elif not reward_fns:
+        errors.append("no reward function is configured and the sample is not an episode")
     rollout.dropped = bool(drops) and not errors
     rollout.reward_error = errors[0] if errors else (drops[0] if drops else None)
     if errors or drops:
         rollout.reward = None
     else:
-        rollout.reward = sum(rf.weight * o.value for rf, o in zip(reward_fns, outcomes))
+        total = sum(rf.weight * o.value for rf, o in zip(reward_fns, outcomes))
+        rollout.reward = total + (rollout.env_reward or 0.0 if episode else 0.0)
 
 
 def _stats(
@@ -603,7 +628,7 @@ class _ProcessPool:
         self.idle: list[_Worker] = []
         self.starting: dict[Connection, _Worker] = {}
         self.busy: dict[Connection, _Worker] = {}
-        self.queue: list[tuple[_Job, Prompt, str]] = []
+        self.queue: list[tuple[_Job, _Sample]] = []
         self.failed: list[tuple[_Job, list[_Outcome]]] = []
         self.broken: str | None = None
         for _ in range(size):
@@ -618,20 +643,20 @@ class _ProcessPool:
         child.close()
         self.starting[parent] = _Worker(process, parent)
 
-    def submit(self, job: _Job, prompt: Prompt, completion: str) -> None:
-        self.queue.append((job, prompt, completion))
+    def submit(self, job: _Job, sample: _Sample) -> None:
+        self.queue.append((job, sample))
         self._dispatch()
 
     def _dispatch(self) -> None:
         if self.broken is not None:
-            self.failed += [(job, [_Outcome(None, f"{job.rf.name}: {self.broken}", 0.0)]) for job, _, _ in self.queue]
+            self.failed += [(job, [_Outcome(None, f"{job.rf.name}: {self.broken}", 0.0)]) for job, _ in self.queue]
             self.queue = []
         while self.queue and self.idle:
-            job, prompt, completion = self.queue.pop(0)
+            job, sample = self.queue.pop(0)
             worker = self.idle.pop()
             worker.job = job
             try:
-                worker.conn.send((job.rf.name, prompt, completion))
+                worker.conn.send((job.rf.name, sample))
             except (OSError, ValueError) as exc:  # a dead pipe, or an unpicklable prompt
                 message = f"{job.rf.name}: could not hand the call to a reward worker: {exc}"
                 self.failed.append((job, [_Outcome(None, message, 0.0)]))
@@ -751,8 +776,8 @@ def _worker_main(conn: Connection, recipes: list[Any]) -> None:
             return
         if message is None:
             return
-        name, prompt, completion = message
-        conn.send(_call_one(fns[name], prompt, completion))
+        name, sample = message
+        conn.send(_call_one(fns[name], sample))
 
 
 def _default_name(fn: Callable[..., Any], *, spec: str) -> str:

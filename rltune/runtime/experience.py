@@ -121,6 +121,8 @@ def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, f
         bottom = torch.where(ok, grouped, torch.inf).amin(1)
         spread = torch.where(ok.sum(1) >= 2, top - bottom, 0.0)
         metrics["groups/zero_std_frac"] = float((spread == 0).float().mean())
+    if any(r.turns is not None for r in rollouts):
+        metrics.update(episode_metrics(rollouts))
     names = {name for r in rollouts for name in r.rewards}
     for name in sorted(names):
         values = torch.tensor(
@@ -128,6 +130,25 @@ def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, f
         )
         metrics[f"reward/{name}"] = _mean(values)
     return metrics
+
+
+def episode_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Multi-turn episodes: ``env/turns`` (the model's turns per episode),
+    ``env/tool_calls`` (tool turns per episode), ``env/tool_call_frac`` (episodes with at
+    least one), ``env/masked_frac`` (share of completion tokens not trained on) and
+    ``env/errors`` (episodes whose environment failed)."""
+    turns = [r.turns or [] for r in rollouts]
+    tool = torch.tensor([sum(t["role"] == "tool" for t in ts) for ts in turns], dtype=torch.float32)
+    model = torch.tensor([sum(t["role"] == "assistant" for t in ts) for ts in turns], dtype=torch.float32)
+    masks = [r.loss_mask for r in rollouts]
+    total = sum(len(m) for m in masks)
+    return {
+        "env/turns": float(model.mean()),
+        "env/tool_calls": float(tool.mean()),
+        "env/tool_call_frac": float((tool > 0).float().mean()),
+        "env/masked_frac": float(sum(len(m) - float(m.sum()) for m in masks) / total) if total else 0.0,
+        "env/errors": float(sum(r.env_error is not None for r in rollouts)),
+    }
 
 
 def _mean(x: torch.Tensor) -> float:

@@ -23,7 +23,11 @@ from rltune.learner.preference import PREFERENCE_METHODS
 from rltune.models.lora import adapters_disabled, apply_lora, is_lora
 from rltune.models.value import load_critic
 from rltune.rewards.scorer import LocalScorer, build_reward_fns
-from rltune.rollout.hf import HFGenerator
+from rltune.data.chat import encode_prompt
+from rltune.envs.episodes import EpisodeGenerator
+from rltune.envs.loading import load_env_factory
+from rltune.envs.tool_format import turn_glue
+from rltune.rollout.hf import HFGenerator, eos_ids
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.loop import Run, train
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, load_preference_model
@@ -54,7 +58,8 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     # every input a user can get wrong is checked before the model's weights are loaded
     algorithm = lookup_algorithm(cfg.algo.name)
     reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
-    if algorithm.online and not reward_fns:
+    make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=config_dir) if cfg.env.name else None
+    if algorithm.online and not reward_fns and cfg.env.name is None:
         raise ConfigError(f"algo.name={cfg.algo.name} generates rollouts and needs at least one entry in `reward`")
     model_dir = resolve_model(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
@@ -68,7 +73,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
         eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
         model = _policy(cfg, model_dir)
         train_prompts = train_set.prompts
-        eval_prompts = eval_set.prompts if eval_set and reward_fns else None
+        eval_prompts = eval_set.prompts if eval_set and (reward_fns or cfg.env.name) else None
         objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
         warnings = [
             f"data: skipped {part.skipped} bad rows of {part.source}; first: {part.skip_examples[0]}"
@@ -91,7 +96,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
         algorithm=algorithm,
         run_dir=run_dir,
         # preference runs are judged without generating (a reward model cannot)
-        generator=None if cfg.algo.name in PREFERENCE_METHODS else HFGenerator(model, tokenizer, rng=rng),
+        generator=None if cfg.algo.name in PREFERENCE_METHODS else _generator(cfg, model, tokenizer, rng, make_env),
         scorer=_scorer(cfg, reward_fns),
         learner=learner,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
@@ -176,8 +181,25 @@ def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module):
     return partial(predict, reference, logprobs_only, **kwargs)
 
 
+def _generator(cfg: Config, model, tokenizer, rng: torch.Generator, make_env):
+    """The model's sampler; with an environment, episodes of it played by the sampler."""
+    sampler = HFGenerator(model, tokenizer, rng=rng)
+    if make_env is None:
+        return sampler
+    return EpisodeGenerator(
+        sampler, tokenizer, make_env,
+        glue=turn_glue(tokenizer, use_chat_template=cfg.data.chat_template),
+        encode=partial(
+            encode_prompt, tokenizer, system_prompt=cfg.data.system_prompt,
+            use_chat_template=cfg.data.chat_template,
+        ),
+        max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+        eos_ids=eos_ids(model, tokenizer),
+    )
+
+
 def _scorer(cfg: Config, reward_fns: list) -> LocalScorer | None:
-    if not reward_fns:
+    if not reward_fns and cfg.env.name is None:
         return None
     r = cfg.runtime
     return LocalScorer(

@@ -289,6 +289,11 @@ def _write_samples(
             "finish_reason": r.finish_reason,
             "length": len(r.completion_ids),
             "policy_version": r.policy_version,
+            **({} if r.turns is None else {
+                "turns": r.turns,
+                "trained_tokens": int(r.loss_mask.sum()),
+                "masked_tokens": int(len(r.loss_mask) - r.loss_mask.sum()),
+            }),
         })
 
 

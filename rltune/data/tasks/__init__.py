@@ -14,6 +14,9 @@ task                    problems                                             row
 ``arith_prefs``         preference pairs over ``arith``'s problems: chosen   train 4000,
                         the sum, rejected a plausible mistake (dropped       eval 300
                         carry, off by one, swapped digits)
+``lookup``              ``code of NAME?``, the code only in a document       train 240,
+                        store (for the search tool; ``train-demo`` has       eval 60
+                        demonstrations for a warm-up)
 ======================  ===================================================  ===========
 
 Preference tasks have ``chosen`` and ``rejected`` instead of ``completion``; load them
@@ -26,9 +29,11 @@ from typing import Callable
 
 from rltune.data.tasks.arith import arith, arith_small
 from rltune.data.tasks.arith_prefs import arith_prefs
+from rltune.data.tasks.lookup import lookup
 
 TASKS: dict[str, Callable[[str], list[dict[str, str]]]] = {
     "arith": arith,
     "arith_small": arith_small,
     "arith_prefs": arith_prefs,
+    "lookup": lookup,
 }

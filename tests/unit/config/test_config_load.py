@@ -177,7 +177,10 @@ def test_invalid_value_from_override_names_it(tmp_path):
 
 def test_schema_cross_checks_are_config_errors(tmp_path):
     message = error_of(write(tmp_path, "algo: {name: grpo}\n"))
-    assert message == f"invalid config {tmp_path / 'exp.yaml'}:\n  - algo.name=grpo needs at least one entry in `reward`"
+    assert message == (
+        f"invalid config {tmp_path / 'exp.yaml'}:\n  - algo.name=grpo needs at least one entry in "
+        "`reward` (or an `env` whose steps give rewards)"
+    )
     message = error_of(write(tmp_path, REWARD + "algo: {group_size: 1}\n"))
     assert "algo.group_size must be >= 2 for grpo" in message and "Value error" not in message
 
@@ -233,7 +236,9 @@ def test_dump_has_every_field_in_schema_order():
     assert list(data) == list(Config.model_fields)
     assert list(data["train"]) == list(TrainConfig.model_fields)
     assert data["train"]["betas"] == [0.9, 0.999]
-    assert data["reward"] == [{"fn": "a:b", "weight": 1.0, "name": None, "kwargs": {}}]
+    assert data["reward"] == [
+        {"fn": "a:b", "weight": 1.0, "name": None, "kwargs": {}, "timeout_s": 60.0, "cache": True}
+    ]
 
 
 def test_round_trip_of_resolved_config(tmp_path):

@@ -228,7 +228,7 @@ def test_builtin_task(chatml_tok, tok_text):
 
 
 @pytest.mark.parametrize("source,match", [
-    ("builtin:nope/train", r"TASK one of \['arith', 'arith_prefs', 'arith_small'\]"),
+    ("builtin:nope/train", r"TASK one of \['arith', 'arith_prefs', 'arith_small', 'lookup'\]"),
     ("builtin:arith", "expected builtin:TASK/SPLIT"),
     ("builtin:arith/test", "'train', 'eval' and 'train-sloppy'"),
     ("builtin:arith_small/test", "'train' and 'eval'"),

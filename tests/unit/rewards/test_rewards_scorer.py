@@ -229,8 +229,37 @@ def test_thread_pool_matches_loop_and_uses_threads() -> None:
 def test_scorer_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="max_workers must be >= 1"):
         LocalScorer([RewardFn("len", _flaky)], max_workers=0)
-    with pytest.raises(ValueError, match="at least one reward function"):
-        LocalScorer([])
+    with pytest.raises(ValueError, match="pool must be 'thread' or 'process'"):
+        LocalScorer([RewardFn("len", _flaky)], pool="fiber")
+
+
+def test_without_reward_functions_only_episodes_get_a_reward() -> None:
+    plain, episode, failed = _rollout("a", "x"), _rollout("a", "y"), _rollout("a", "z")
+    episode.turns, episode.env_reward = [{"role": "assistant", "content": "y"}], 0.75
+    failed.turns, failed.env_error = [], "env: step raised KeyError: 'q'"
+    with LocalScorer([]) as scorer:
+        stats = scorer.score(PROMPTS, [plain, episode, failed])
+    assert plain.reward is None and "no reward function" in plain.reward_error
+    assert episode.reward == 0.75 and episode.rewards == {"env": 0.75}
+    assert failed.reward is None and failed.reward_error == "env: step raised KeyError: 'q'"
+    assert stats.errors == 2
+
+
+def test_episode_rewards_add_the_env_reward_and_functions_see_the_turns() -> None:
+    seen = []
+
+    def tool_user(prompt, completion, *, turns=(), **meta):
+        seen.append(turns)
+        return float(sum(t["role"] == "tool" for t in turns))
+
+    r = _rollout("a", "42")
+    r.turns = [{"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "content": "7"},
+               {"role": "assistant", "content": "42"}]
+    r.env_reward = 0.5
+    with LocalScorer([RewardFn("tools", tool_user, weight=2.0)]) as scorer:
+        scorer.score(PROMPTS, [r])
+    assert seen == [r.turns]
+    assert r.rewards == {"tools": 1.0, "env": 0.5} and r.reward == 2.0 * 1.0 + 0.5
 
 
 # build_reward_fns ----------------------------------------------------------------------

@@ -1,0 +1,209 @@
+"""Tools and the environment that lets a model call them.
+
+A tool is a plain function ``tool(**arguments) -> str``: the model's call
+``{"name": NAME, "arguments": {...}}`` becomes ``tools[NAME](**arguments)`` and the string
+it returns is the observation. A tool that cannot do what was asked raises
+:class:`ToolError` (or TypeError/ValueError, e.g. for a missing argument): the message is
+shown to the model, which may try again. Anything else a tool raises is a harness failure
+(the episode is not scored).
+
+Built in: :func:`calculator` (arithmetic, evaluated on the syntax tree, bounded),
+:func:`python_tool` (code run in :mod:`rltune.sandbox`), and :func:`search_tool` over any
+:class:`~rltune.envs.retrieval.Retriever`. :func:`tools_env` is the ``builtin:tools``
+environment factory.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rltune.data.records import Prompt
+from rltune.envs.base import StepResult
+from rltune.envs.tool_format import ToolCallError, parse_tool_call
+from rltune.rewards.keyed_cache import KeyedCache
+
+_MAX_RESULT_CHARS = 2000
+
+
+class ToolError(Exception):
+    """A tool could not do what the call asked; the message goes to the model."""
+
+
+class ToolEnv:
+    """An episode in which each assistant turn may call one tool. A turn without a call is
+    the final answer and ends the episode; every step's reward is 0 (score the answer with
+    a reward function). Results longer than ``max_result_chars`` are cut."""
+
+    def __init__(self, tools: Mapping[str, Callable[..., str]], *, max_result_chars: int = _MAX_RESULT_CHARS) -> None:
+        if not tools:
+            raise ValueError("ToolEnv needs at least one tool")
+        self.tools = dict(tools)
+        self.max_result_chars = max_result_chars
+        self.calls = 0
+
+    def reset(self, prompt: Prompt) -> None:
+        self.calls = 0
+        return None
+
+    def step(self, action: str) -> StepResult:
+        try:
+            call = parse_tool_call(action)
+        except ToolCallError as exc:
+            return StepResult(observation=f"error: {exc}")
+        if call is None:
+            return StepResult(done=True)
+        self.calls += 1
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return StepResult(observation=f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(self.tools))})")
+        try:
+            result = tool(**call.arguments)
+        except (ToolError, TypeError, ValueError) as exc:
+            return StepResult(observation=f"error: {exc}")
+        if not isinstance(result, str):
+            raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not str")
+        return StepResult(observation=result[: self.max_result_chars])
+
+
+# -- calculator ----------------------------------------------------------------------------
+
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_MAX_EXPRESSION = 200
+_MAX_MAGNITUDE = 1e100
+
+
+def calculator(expression: str) -> str:
+    """The value of an arithmetic ``expression``: numbers, ``+ - * / // % **`` and
+    brackets. Evaluated on Python's syntax tree (no ``eval``), with powers and magnitudes
+    bounded so that no expression can hang or exhaust memory. Integers print exactly,
+    other results with up to 12 significant digits."""
+    if not isinstance(expression, str):
+        raise ToolError("calculator: `expression` must be a string")
+    if len(expression) > _MAX_EXPRESSION:
+        raise ToolError(f"calculator: the expression is longer than {_MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ToolError(f"calculator: cannot read {expression!r} as arithmetic") from None
+    value = _evaluate(tree.body)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        value = int(value)
+    return str(value) if isinstance(value, int) else f"{value:.12g}"
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or (abs(left) > 1e6 and right > 4)):
+            raise ToolError("calculator: the power is too large")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ToolError("calculator: division by zero") from None
+        if isinstance(value, complex):
+            raise ToolError("calculator: the result is not a real number")
+        if abs(value) > _MAX_MAGNITUDE or (isinstance(value, float) and not math.isfinite(value)):
+            raise ToolError("calculator: the result is too large")
+        return value
+    raise ToolError(f"calculator: {type(node).__name__} is not arithmetic (numbers, + - * / // % ** and brackets)")
+
+
+# -- python through the sandbox --------------------------------------------------------------
+
+
+def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 256) -> Callable[..., str]:
+    """A tool ``python(code)`` that runs ``code`` in :mod:`rltune.sandbox` and returns what
+    it printed (stdout, then stderr), or why it was stopped. The sandbox failing to start
+    is a harness failure and raises."""
+    from rltune.sandbox import Limits, run_python
+
+    limits = Limits(wall_s=timeout_s, cpu_s=timeout_s, memory_mb=memory_mb)
+
+    def python(code: str) -> str:
+        if not isinstance(code, str):
+            raise ToolError("python: `code` must be a string")
+        result = run_python(code, limits=limits)
+        out = result.stdout + (f"\n{result.stderr}" if result.stderr else "")
+        if result.limit_hit is not None:
+            out += f"\n[stopped: {result.limit_hit} limit]"
+        return out.strip() or "(no output)"
+
+    return python
+
+
+# -- search ----------------------------------------------------------------------------------
+
+
+def search_tool(retriever: Any, *, k: int = 1) -> Callable[..., str]:
+    """A tool ``search(query)`` returning the ``k`` best documents of ``retriever``, one
+    per line, best first; ``"no results"`` when nothing matches."""
+
+    def search(query: str) -> str:
+        if not isinstance(query, str) or not query.strip():
+            raise ToolError("search: `query` must be a non-empty string")
+        hits = retriever.search(query, k=k)
+        return "\n".join(hit.text for hit in hits) if hits else "no results"
+
+    return search
+
+
+_RETRIEVERS: KeyedCache[Any] = KeyedCache()
+
+
+def tools_env(
+    *, tools: Sequence[str] = ("calculator",), search: Mapping[str, Any] | None = None,
+    k: int = 1, python: Mapping[str, Any] | None = None, max_result_chars: int = _MAX_RESULT_CHARS,
+) -> ToolEnv:
+    """``builtin:tools``: a :class:`ToolEnv` with the named built-in tools (``calculator``,
+    ``python``, ``search``). ``search`` is the retriever spec of
+    :func:`rltune.envs.retrieval.build_retriever` (built once per distinct spec and shared
+    by all episodes); ``python`` the sandbox settings of :func:`python_tool`."""
+    known = {"calculator", "python", "search"}
+    unknown = sorted(set(tools) - known)
+    if unknown:
+        raise ValueError(f"env tools: unknown tools {unknown}; built in are {sorted(known)}")
+    made: dict[str, Callable[..., str]] = {}
+    if "calculator" in tools:
+        made["calculator"] = calculator
+    if "python" in tools:
+        made["python"] = python_tool(**dict(python or {}))
+    if "search" in tools:
+        if search is None:
+            raise ValueError("env tools: the search tool needs `search:` (a retriever spec, e.g. {kind: bm25, documents: docs.jsonl})")
+        key = json.dumps(search, sort_keys=True, default=str)
+        retriever = _RETRIEVERS.get(key, lambda: _retriever(search))
+        made["search"] = search_tool(retriever, k=k)
+    return ToolEnv(made, max_result_chars=max_result_chars)
+
+
+def _retriever(spec: Mapping[str, Any]) -> Any:
+    """:func:`~rltune.envs.retrieval.build_retriever`, plus ``documents: builtin:TASK``
+    for the corpus of a built-in task (``builtin:lookup``)."""
+    from rltune.data.tasks.lookup import lookup_documents
+    from rltune.envs.retrieval import Document, build_retriever
+
+    documents = spec.get("documents")
+    if not (isinstance(documents, str) and documents.startswith("builtin:")):
+        return build_retriever(spec)
+    corpora = {"lookup": lookup_documents}
+    name = documents.removeprefix("builtin:")
+    if name not in corpora:
+        raise ValueError(f"search documents {documents!r}: built-in corpora are {sorted(f'builtin:{c}' for c in corpora)}")
+    rows = corpora[name]()
+    retriever = build_retriever({k: v for k, v in spec.items() if k != "documents"})
+    retriever.add([Document(row["id"], row["text"]) for row in rows])
+    return retriever

@@ -1,0 +1,156 @@
+"""The episode runner: token layout and loss masks of multi-turn rollouts, checked token
+by token against the chat template, with a scripted generator standing in for the model
+(so that every turn's tokens are known in advance)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from rltune.data.chat import encode_prompt
+from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.envs.base import StepResult
+from rltune.envs.episodes import EpisodeGenerator
+from rltune.envs.tool_format import format_tool_call, ToolCall, turn_glue
+from rltune.envs.tools import ToolEnv, calculator
+from rltune.models.tiny import build_tokenizer
+
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id  # <|im_end|>
+
+
+class Scripted:
+    """A generator whose turns are given: each call pops the next text per row (by the
+    row's prompt id), ends it with EOS unless it ends with a stop string, and reports
+    log-prob -0.5 for every token."""
+
+    version = 7
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        self.script = {k: list(v) for k, v in script.items()}
+        self.contexts: list[list[int]] = []
+        self.params: list[SamplingParams] = []
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0) -> list[Rollout]:
+        self.params.append(params)
+        out = []
+        for p in prompts:
+            self.contexts.append(list(p.input_ids))
+            text = self.script[p.id].pop(0)
+            ids = TOK(text, add_special_tokens=False)["input_ids"]
+            stopped = any(text.endswith(s) for s in params.stop)
+            if not stopped:
+                ids = ids + [EOS]
+            ids = ids[: params.max_new_tokens]
+            out.append(Rollout(
+                prompt_id=p.id, group=0, prompt_ids=torch.tensor(p.input_ids),
+                completion_ids=torch.tensor(ids), completion_logprobs=torch.full((len(ids),), -0.5),
+                loss_mask=torch.ones(len(ids)), text=text, finish_reason="stop" if len(ids) < params.max_new_tokens or stopped else "length",
+                policy_version=self.version,
+            ))
+        return out
+
+    def load_weights(self, version, tensors=None) -> None:
+        self.version = version
+
+
+def _prompt(pid: str, text: str) -> Prompt:
+    p = Prompt(id=pid, text=text)
+    p.input_ids = encode_prompt(TOK, p)
+    return p
+
+
+def _runner(script, make_env, **kw) -> tuple[EpisodeGenerator, Scripted]:
+    gen = Scripted(script)
+    runner = EpisodeGenerator(
+        gen, TOK, make_env, glue=turn_glue(TOK), encode=lambda p: encode_prompt(TOK, p),
+        max_turns=kw.get("max_turns", 3), max_total_tokens=kw.get("max_total_tokens", 400), eos_ids=[EOS],
+    )
+    return runner, gen
+
+
+CALL = format_tool_call(ToolCall("calculator", {"expression": "6*7"}))
+
+
+def test_a_tool_turn_is_masked_and_laid_out_as_the_chat_template_writes_it() -> None:
+    runner, gen = _runner({"q": [CALL, "42"]}, lambda: ToolEnv({"calculator": calculator}))
+    prompt = _prompt("q", "6 times 7?")
+    [r] = runner.generate([prompt], SamplingParams(n=1, max_new_tokens=100))
+    expected_text = (
+        CALL + "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n" + "42<|im_end|>"
+    )
+    assert TOK.decode(r.completion_ids.tolist()) == expected_text
+    # the whole conversation is what the chat template renders for it
+    full = TOK.apply_chat_template(
+        [{"role": "user", "content": "6 times 7?"}, {"role": "assistant", "content": CALL},
+         {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}], tokenize=False,
+    )
+    assert full.startswith(TOK.decode(prompt.input_ids + r.completion_ids.tolist()))
+    n_call = len(TOK(CALL, add_special_tokens=False)["input_ids"])
+    n_obs = len(TOK("<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    n_answer = 3  # "4", "2", EOS
+    assert r.loss_mask.tolist() == [1.0] * n_call + [0.0] * n_obs + [1.0] * n_answer
+    assert r.completion_logprobs.tolist() == [-0.5] * n_call + [0.0] * n_obs + [-0.5] * n_answer
+    assert r.text == "42" and r.finish_reason == "stop" and r.env_reward == 0.0 and r.policy_version == 7
+    assert [(t["role"], t["content"], t["tokens"], t["trained"]) for t in r.turns] == [
+        ("assistant", CALL, n_call, True), ("tool", "42", n_obs, False), ("assistant", "42", n_answer, True),
+    ]
+    # the second turn was generated on the prompt, the call and the observation
+    assert gen.contexts[1] == prompt.input_ids + r.completion_ids[: n_call + n_obs].tolist()
+    assert "</tool_call>" in gen.params[0].stop
+
+
+def test_groups_rewards_errors_and_limits() -> None:
+    class Counting:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def reset(self, prompt):
+            return None
+
+        def step(self, action):
+            self.n += 1
+            if action == "boom":
+                raise KeyError("no such state")
+            return StepResult(observation=f"seen {self.n}", reward=0.25, done=action == "stop")
+
+    script = {"a": ["go", "stop", "go", "go"], "b": ["boom", "boom"]}
+    runner, _ = _runner(script, Counting, max_turns=3)
+    rollouts = runner.generate([_prompt("a", "A"), _prompt("b", "B")], SamplingParams(n=2, max_new_tokens=20), group_offset=5)
+    assert [r.group for r in rollouts] == [5, 5, 6, 6]
+    first, second, failed = rollouts[0], rollouts[1], rollouts[2]
+    # each round serves the live episodes in order: a1 gets "go" x3, a2 gets "stop"
+    assert [t["content"] for t in first.turns] == ["go", "seen 1", "go", "seen 2", "go"]
+    assert first.env_reward == 0.75 and first.finish_reason == "length"  # out of turns
+    assert [t["content"] for t in second.turns] == ["stop"]
+    assert second.env_reward == 0.25 and second.finish_reason == "stop"
+    assert failed.env_reward is None and failed.env_error == "env: step raised KeyError: 'no such state'"
+
+
+def test_the_token_budget_ends_an_episode_with_length() -> None:
+    runner, _ = _runner({"q": [CALL, "42"]}, lambda: ToolEnv({"calculator": calculator}), max_total_tokens=60)
+    [r] = runner.generate([_prompt("q", "?")], SamplingParams(n=1, max_new_tokens=200))
+    assert len(r.completion_ids) == 60 and r.finish_reason == "length"
+    assert r.loss_mask.tolist() == [1.0] * 60
+
+
+def test_a_first_observation_replaces_the_prompt() -> None:
+    class Greeter:
+        def reset(self, prompt):
+            return "Find the code."
+
+        def step(self, action):
+            return StepResult(done=True, reward=1.0)
+
+    runner, gen = _runner({"q": ["ok"]}, Greeter)
+    [r] = runner.generate([_prompt("q", "ignored")], SamplingParams(n=1, max_new_tokens=10))
+    assert TOK.decode(gen.contexts[0]) == "<|im_start|>user\nFind the code.<|im_end|>\n<|im_start|>assistant\n"
+    assert r.prompt_ids.tolist() == gen.contexts[0] and r.env_reward == 1.0
+
+
+def test_the_plain_format_without_a_chat_template() -> None:
+    glue = turn_glue(TOK, use_chat_template=False)
+    assert glue.observation_text("7", ended_turn=True) == "\ntool: 7\nassistant: "
+    assert glue.observation_text("7", ended_turn=False) == "<|im_end|>\ntool: 7\nassistant: "
