@@ -111,3 +111,14 @@ def test_env_specs_fail_early_with_the_reason(tmp_path) -> None:
         load_env_factory("env.py:NotAnEnv", {}, base_dir=tmp_path)
     make = load_env_factory("builtin:tools", {"tools": ["calculator"]})
     assert make() is not make()  # a fresh environment per episode
+
+
+def test_python_tool_runs_in_the_sandbox() -> None:
+    env = tools_env(tools=["python"], python={"timeout_s": 2.0})
+    call = lambda code: format_tool_call(ToolCall("python", {"code": code}))  # noqa: E731
+    assert env.step(call("print(6 * 7)")).observation == "42"
+    assert "ZeroDivisionError" in env.step(call("1/0")).observation
+    looped = env.step(call("while True: pass")).observation
+    assert looped.endswith("[stopped: wall limit]") or looped.endswith("[stopped: cpu limit]")
+    no_network = env.step(call("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)")).observation
+    assert "Error" in no_network and "Traceback" in no_network
