@@ -32,7 +32,10 @@ from rltune.data.records import Prompt
 @dataclass(frozen=True)
 class StepResult:
     """What one ``step`` gives back. ``observation`` None with ``done`` False lets the
-    model take another turn with nothing new to read."""
+    model take another turn with nothing new to read. An ``observation`` with ``done``
+    True is the episode's answer, given by the environment on the model's behalf (a
+    retrieval agent answering with the passage its search found): reward functions score
+    it instead of the model's last turn."""
 
     observation: str | None = None
     reward: float = 0.0

@@ -14,7 +14,9 @@ episode after the prompt::
      mask 1     mask 0       mask 1        mask 1
 
 ``completion_logprobs`` are the engine's for the model's tokens and 0 for the
-environment's. ``text`` is the last turn (what reward functions score as the completion);
+environment's. ``text`` is the last turn (what reward functions score as the completion),
+or, when the environment ends the episode with an observation (an answer tool), that
+observation, which then takes no tokens;
 ``turns`` the whole exchange, ``[{"role": "assistant" | "tool", "content", "tokens",
 "trained"}]`` (``tokens``: how many tokens the turn took, the tool's including the chat
 template's markers around it; ``trained``: its loss mask), which reward functions receive
@@ -159,6 +161,11 @@ class EpisodeGenerator:
             episode.error = f"env: step returned {type(result).__name__}, not StepResult"
             return
         episode.reward += float(result.reward)
+        if result.done and result.observation is not None:
+            # the environment answers for the episode (an answer tool): its text is what
+            # reward functions score; it ends the episode, so it takes no tokens
+            episode.last_text = result.observation
+            episode.turns.append({"role": "tool", "content": result.observation, "tokens": 0, "trained": False})
         if result.done or last:
             # "length": the turn was cut at rollout.max_new_tokens, or the turns ran out
             episode.done = True

@@ -37,12 +37,22 @@ class ToolError(Exception):
 class ToolEnv:
     """An episode in which each assistant turn may call one tool. A turn without a call is
     the final answer and ends the episode; every step's reward is 0 (score the answer with
-    a reward function). Results longer than ``max_result_chars`` are cut."""
+    a reward function). Results longer than ``max_result_chars`` are cut. A call of one of
+    ``answer_tools`` ends the episode with its result as the answer (see
+    :class:`~rltune.envs.base.StepResult`): a search agent that answers with the passage
+    it found."""
 
-    def __init__(self, tools: Mapping[str, Callable[..., str]], *, max_result_chars: int = _MAX_RESULT_CHARS) -> None:
+    def __init__(
+        self, tools: Mapping[str, Callable[..., str]], *, max_result_chars: int = _MAX_RESULT_CHARS,
+        answer_tools: Sequence[str] = (),
+    ) -> None:
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
+        unknown = sorted(set(answer_tools) - set(tools))
+        if unknown:
+            raise ValueError(f"answer_tools {unknown} are not among the tools {sorted(tools)}")
         self.tools = dict(tools)
+        self.answer_tools = frozenset(answer_tools)
         self.max_result_chars = max_result_chars
         self.calls = 0
 
@@ -67,7 +77,7 @@ class ToolEnv:
             return StepResult(observation=f"error: {exc}")
         if not isinstance(result, str):
             raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not str")
-        return StepResult(observation=result[: self.max_result_chars])
+        return StepResult(observation=result[: self.max_result_chars], done=call.name in self.answer_tools)
 
 
 # -- calculator ----------------------------------------------------------------------------
@@ -167,11 +177,13 @@ _RETRIEVERS: KeyedCache[Any] = KeyedCache()
 def tools_env(
     *, tools: Sequence[str] = ("calculator",), search: Mapping[str, Any] | None = None,
     k: int = 1, python: Mapping[str, Any] | None = None, max_result_chars: int = _MAX_RESULT_CHARS,
+    answer_tools: Sequence[str] = (),
 ) -> ToolEnv:
     """``builtin:tools``: a :class:`ToolEnv` with the named built-in tools (``calculator``,
     ``python``, ``search``). ``search`` is the retriever spec of
     :func:`rltune.envs.retrieval.build_retriever` (built once per distinct spec and shared
-    by all episodes); ``python`` the sandbox settings of :func:`python_tool`."""
+    by all episodes); ``python`` the sandbox settings of :func:`python_tool`;
+    ``answer_tools`` as in :class:`ToolEnv`."""
     known = {"calculator", "python", "search"}
     unknown = sorted(set(tools) - known)
     if unknown:
@@ -187,7 +199,7 @@ def tools_env(
         key = json.dumps(search, sort_keys=True, default=str)
         retriever = _RETRIEVERS.get(key, lambda: _retriever(search))
         made["search"] = search_tool(retriever, k=k)
-    return ToolEnv(made, max_result_chars=max_result_chars)
+    return ToolEnv(made, max_result_chars=max_result_chars, answer_tools=answer_tools)
 
 
 def _retriever(spec: Mapping[str, Any]) -> Any:

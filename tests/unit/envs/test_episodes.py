@@ -124,7 +124,9 @@ def test_groups_rewards_errors_and_limits() -> None:
     # each round serves the live episodes in order: a1 gets "go" x3, a2 gets "stop"
     assert [t["content"] for t in first.turns] == ["go", "seen 1", "go", "seen 2", "go"]
     assert first.env_reward == 0.75 and first.finish_reason == "length"  # out of turns
-    assert [t["content"] for t in second.turns] == ["stop"]
+    # an observation given with done is the episode's answer: scored, but not tokens
+    assert [(t["content"], t["tokens"]) for t in second.turns] == [("stop", 5), ("seen 1", 0)]
+    assert second.text == "seen 1" and len(second.completion_ids) == 5  # "stop" + EOS
     assert second.env_reward == 0.25 and second.finish_reason == "stop"
     assert failed.env_reward is None and failed.env_error == "env: step raised KeyError: 'no such state'"
 

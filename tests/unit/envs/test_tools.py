@@ -122,3 +122,11 @@ def test_python_tool_runs_in_the_sandbox() -> None:
     assert looped.endswith("[stopped: wall limit]") or looped.endswith("[stopped: cpu limit]")
     no_network = env.step(call("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)")).observation
     assert "Error" in no_network and "Traceback" in no_network
+
+
+def test_an_answer_tool_ends_the_episode_with_its_result() -> None:
+    env = ToolEnv({"calculator": calculator}, answer_tools=["calculator"])
+    result = env.step(format_tool_call(ToolCall("calculator", {"expression": "6*7"})))
+    assert result.done and result.observation == "42"
+    with pytest.raises(ValueError, match="answer_tools \\['search'\\] are not among the tools"):
+        ToolEnv({"calculator": calculator}, answer_tools=["search"])
