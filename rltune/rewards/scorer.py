@@ -121,15 +121,17 @@ class ScoreStats:
     timeouts: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """The step metrics: ``reward/time/NAME`` (seconds), ``reward/calls/NAME``,
-        ``reward/errors/NAME`` and the totals ``reward/cache_hits``, ``reward/timeouts``,
-        ``reward/dropped``."""
+        """The step metrics: ``time/reward/NAME`` (seconds), ``perf/reward_calls/NAME``,
+        ``reward/errors/NAME`` and the totals ``perf/reward_cache_hits``,
+        ``reward/timeouts``, ``reward/dropped``. ``time/`` and ``perf/`` metrics depend on
+        the machine and on this process's cache (a resumed run starts with an empty one),
+        not on the training state."""
         out: dict[str, float] = {}
         for name in self.seconds:
-            out[f"reward/time/{name}"] = self.seconds[name]
-            out[f"reward/calls/{name}"] = float(self.calls.get(name, 0))
+            out[f"time/reward/{name}"] = self.seconds[name]
+            out[f"perf/reward_calls/{name}"] = float(self.calls.get(name, 0))
             out[f"reward/errors/{name}"] = float(self.per_fn_errors[name])
-        out["reward/cache_hits"] = float(self.cache_hits)
+        out["perf/reward_cache_hits"] = float(self.cache_hits)
         out["reward/timeouts"] = float(self.timeouts)
         out["reward/dropped"] = float(self.dropped)
         return out

@@ -89,11 +89,6 @@ def _build_root(root: dict[str, Any]) -> None:
     mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
     for path, target in root["symlinks"].items():
         os.symlink(target, new + path)
-    for path in root["ro_binds"]:
-        os.makedirs(new + path, mode=0o755, exist_ok=True)
-        mount(path, new + path, None, _MS_BIND | _MS_REC)
-        mount(None, new + path, None,
-              _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     os.makedirs(new + "/dev", mode=0o755)
     mount("tmpfs", new + "/dev", "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=0755")
     for name in _DEVICES:
@@ -106,6 +101,13 @@ def _build_root(root: dict[str, Any]) -> None:
     for path, mode in (("/dev/shm", "1777"), ("/tmp", "1777"), (root["workdir"], "0755")):
         os.makedirs(new + path, mode=0o755, exist_ok=True)
         mount("tmpfs", new + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"{size},mode={mode}")
+    # the binds come after the tmpfs: an interpreter or venv that lives under /tmp stays
+    # visible (read-only) inside the fresh /tmp
+    for path in root["ro_binds"]:
+        os.makedirs(new + path, mode=0o755, exist_ok=True)
+        mount(path, new + path, None, _MS_BIND | _MS_REC)
+        mount(None, new + path, None,
+              _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     os.makedirs(new + "/proc", mode=0o755)
     mount("proc", new + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     # pivot_root(".", "."): the old root ends up stacked under the new one and is then

@@ -132,7 +132,14 @@ def bwrap_args(lay: Layout, *, as_root: bool, disk_mb: int) -> list[str]:
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_CHOWN"]
     else:
         args += ["--unshare-user", "--disable-userns"]
-    made: set[str] = set()
+    size = str(disk_mb * 1024 * 1024)
+    # the tmpfs first, then the binds: an interpreter or venv that lives under /tmp stays
+    # visible (read-only) inside the fresh /tmp
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm",
+             "--size", size, "--perms", "0755", "--tmpfs", WORKDIR,
+             "--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
+    made: set[str] = {"/tmp", WORKDIR}
     for path, target in lay.symlinks:
         args += ["--symlink", target, path]
     for path in lay.ro_binds:
@@ -141,12 +148,7 @@ def bwrap_args(lay: Layout, *, as_root: bool, disk_mb: int) -> list[str]:
                 args += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
         args += ["--ro-bind", path, path]
-    size = str(disk_mb * 1024 * 1024)
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm",
-             "--size", size, "--perms", "0755", "--tmpfs", WORKDIR,
-             "--size", size, "--perms", "1777", "--tmpfs", "/tmp",
-             "--remount-ro", "/", "--chdir", WORKDIR]
+    args += ["--remount-ro", "/", "--chdir", WORKDIR]
     return args
 
 

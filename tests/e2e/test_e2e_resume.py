@@ -81,8 +81,8 @@ def runs(tmp_path_factory, tiny_grpo_config_at) -> Runs:
 
 
 def _deterministic(metrics: dict[str, float]) -> dict[str, float]:
-    """Every metric except wall-clock ones."""
-    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in TIMING_KEYS}
+    """Every metric except wall-clock and process-state ones (``time/``, ``perf/``)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/")) and k not in TIMING_KEYS}
 
 
 def _same_metrics(a: dict[str, float], b: dict[str, float]) -> bool:

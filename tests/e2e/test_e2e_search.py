@@ -1,8 +1,9 @@
 """The search task trained on CPU: a warm-up by SFT that searches about half the time,
-then GRPO with the search tool over the real document store (BM25 over builtin:lookup's
-corpus). The policy learns to search: the tool-call rate and the reward rise. The control,
-whose store is empty, gets nothing from searching and does not. Both run the recipes the
-README points to, with fewer steps."""
+then GRPO with the search tool over the real document store (builtin:lookup's corpus in
+the embedded FAISS store, embedded by the local MiniLM model). The policy learns to
+search: the tool-call rate and the reward rise. The control, whose store is empty, gets
+nothing from searching and does not. Both run the recipes the README points to, with
+fewer steps."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_the_policy_learns_to_search(warm_model: Path, tmp_path: Path) -> None:
 
 
 def test_control_with_an_empty_store_does_not_learn_to_search(warm_model: Path, tmp_path: Path) -> None:
-    rows, samples = _grpo(warm_model, tmp_path, "env.kwargs.search={kind: bm25}")
+    rows, samples = _grpo(warm_model, tmp_path, "env.kwargs.search={kind: embedded, embedder: minilm}")
     calls, reward = _curve(rows, "env/tool_call_frac"), _curve(rows, "reward/mean")
     assert statistics.mean(calls[-5:]) < statistics.mean(calls[:3]) + 0.1, calls
     assert max(reward) < 0.05, reward

@@ -230,9 +230,9 @@ def test_metrics_time_each_reward_function() -> None:
     with LocalScorer([RewardFn("slow", slow, cache=False), RewardFn("len", _length)]) as scorer:
         stats = scorer.score(PROMPTS, [_rollout("a", "x"), _rollout("b", "y")])
     m = stats.metrics()
-    assert 0.1 <= m["reward/time/slow"] < 0.5
-    assert m["reward/time/len"] < 0.05
-    assert m["reward/calls/slow"] == 2.0 and m["reward/timeouts"] == 0.0
+    assert 0.1 <= m["time/reward/slow"] < 0.5
+    assert m["time/reward/len"] < 0.05
+    assert m["perf/reward_calls/slow"] == 2.0 and m["reward/timeouts"] == 0.0
 
 
 def test_results_do_not_depend_on_the_pool_width() -> None:

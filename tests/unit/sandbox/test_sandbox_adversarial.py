@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import textwrap
 import threading
 import uuid
@@ -240,6 +241,10 @@ def test_environment_secrets_are_not_visible(mech: str, monkeypatch: pytest.Monk
     assert report.pass_rate == 1.0 and not _leaks(report, token)
 
 
+# the interpreter and its venv, bound read-only wherever they live (under /tmp, say)
+_PYTHON_DIRS = tuple(sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}))
+
+
 def test_the_tests_cannot_be_read_by_the_solution(mech: str) -> None:
     """The expected values exist only in the test process: the solution searches every
     place it can read for them (files, other processes' command lines and memory,
@@ -251,7 +256,7 @@ def test_the_tests_cannot_be_read_by_the_solution(mech: str) -> None:
         "    for root, dirs, names in os.walk('/'):\n"
         "        # the system and the Python installation are read-only copies of the host's\n"
         "        dirs[:] = [d for d in dirs if os.path.join(root, d) not in\n"
-        "                   ('/proc', '/sys', '/usr', '/root', '/work', '/dev')]\n"
+        f"                   ('/proc', '/sys', '/usr', '/root', '/work', '/dev', *{_PYTHON_DIRS!r})]\n"
         "        yield from (os.path.join(root, n) for n in names)\n"
         "    others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]\n"
         "    for pid in others:\n"
