@@ -66,4 +66,5 @@ def test_raising_hanging_and_none_rewards_are_errors_not_zeros(tmp_path: Path, t
     assert sum(m["reward/timeouts"] for m in history) == len(kinds["hang"])
     # hung calls run at once, each cut at 0.5 s: far from 30 s per hung sample
     assert elapsed < 60, elapsed
-    assert all(m["time/reward/moody"] >= 0 for m in history)
+    # the time of the hung calls is counted: at least the timeout for each
+    assert sum(m["time/reward/moody"] for m in history) >= 0.5 * len(kinds["hang"])
