@@ -34,7 +34,7 @@ class JudgeServer(ThreadingHTTPServer):
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), JudgeHandler)
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.stop = threading.Event()
         self.reset()
 
@@ -44,6 +44,7 @@ class JudgeServer(ThreadingHTTPServer):
             self.seen: Counter[str] = Counter()
             self.in_flight = 0
             self.max_in_flight = 0
+            self.arrived = 0
 
     @property
     def base_url(self) -> str:
@@ -67,6 +68,9 @@ class JudgeHandler(BaseHTTPRequestHandler):
             attempt = srv.seen[content]
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+            srv.arrived += 1
+            self.arrival = srv.arrived
+            srv.lock.notify_all()
         try:
             self._answer(body["model"], content, attempt)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
@@ -90,8 +94,11 @@ class JudgeHandler(BaseHTTPRequestHandler):
             return self._send(200, b'{"choices": []}')
         if mode == "slow":
             self.server.stop.wait(3.0)
-        if mode == "sleepy":
-            time.sleep(0.2)
+        if mode.startswith("gather-"):  # hold requests until N have arrived (or 2 s pass)
+            n = int(mode[7:])
+            batch_end = -(-self.arrival // n) * n
+            with self.server.lock:
+                self.server.lock.wait_for(lambda: self.server.arrived >= batch_end, 2.0)
         reply = "I cannot decide." if mode == "mute" else f"Fine work.\nScore: {content.count('x')}"
         self._send(200, json.dumps({
             "id": "chatcmpl-1", "object": "chat.completion", "model": mode,
@@ -223,13 +230,15 @@ def test_an_unreachable_judge_is_an_error(server) -> None:
 
 
 def test_requests_overlap_up_to_the_concurrency(server) -> None:
+    # The server holds requests back until 8 have arrived (or 2 s pass): requests sent
+    # together are all answered at once; sent one after another, each waits 2 s.
     start = time.perf_counter()
-    got = judge(server, prompts(8), ["x" * i for i in range(8)], mode="sleepy", concurrency=8)
+    got = judge(server, prompts(8), ["x" * i for i in range(8)], mode="gather-8", concurrency=8)
     elapsed = time.perf_counter() - start
     assert got == [i / 10 for i in range(8)]
-    assert server.max_in_flight == 8 and elapsed < 0.8  # one after another: 1.6 s
-    server.reset()
-    judge(server, prompts(6), ["x" * i for i in range(6)], mode="sleepy", concurrency=3)
+    assert server.max_in_flight == 8 and elapsed < 1.9
+    server.reset()  # a client that ignored the limit would have all 6 in flight at once
+    judge(server, prompts(6), ["x" * i for i in range(6)], mode="gather-3", concurrency=3)
     assert server.max_in_flight == 3
 
 
