@@ -21,6 +21,7 @@ import torch
 
 from rltune.algos.kl import KL_ESTIMATORS
 from rltune.algos.reduce import masked_mean, masked_sum, safe_divide
+from rltune.metrics.types import Max, Sum
 
 LOG_RATIO_BOUND = 20.0
 """``log(pi / pi_old)`` is clamped to ``[-20, 20]`` before ``exp`` (as verl does): beyond
@@ -216,7 +217,7 @@ def ppo_policy_loss(
     Metrics (detached, masked means over this call's tokens): ``clip_frac`` (share of
     tokens where the clipped branch was taken), ``dual_clip_frac``, ``approx_kl`` (k3
     estimate of ``KL(pi_old || pi)`` from tokens sampled by ``pi_old``:
-    ``r - 1 - log r``, non-negative), ``ratio_mean``, ``ratio_max`` (0 when nothing is
+    ``r - 1 - log r``, non-negative), ``ratio_mean``, ``ratio_max`` (a :class:`Max`; 0 when nothing is
     masked in).
     """
     caller = "ppo_policy_loss"
@@ -246,7 +247,7 @@ def ppo_policy_loss(
             "dual_clip_frac": masked_mean(is_capped.to(m.dtype), m),
             "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
             "ratio_mean": masked_mean(ratio, m),
-            "ratio_max": torch.where(keep, ratio, torch.zeros_like(ratio)).amax(),
+            "ratio_max": Max(torch.where(keep, ratio, torch.zeros_like(ratio)).amax()),
         }
     return loss, metrics
 
@@ -261,14 +262,14 @@ def sft_loss(
 
     ``loss = -sum(logprobs * mask) / (denominator or sum(mask))``; ``logprobs`` and
     ``mask`` are ``[B, T]``. ``denominator`` as in the module docstring.
-    Metrics (detached): ``nll`` (this call's own token-mean NLL) and ``num_tokens``.
+    Metrics (detached): ``nll`` (this call's own token-mean NLL) and ``num_tokens`` (a :class:`Sum`).
     """
     caller = "sft_loss"
     _check_shapes(caller, logprobs=logprobs, mask=mask)
     m = mask.to(logprobs.dtype)
     loss = _aggregate(-logprobs, m, "token-mean", denominator, caller)
     with torch.no_grad():
-        metrics = {"nll": masked_mean(-logprobs, m), "num_tokens": m.sum()}
+        metrics = {"nll": masked_mean(-logprobs, m), "num_tokens": Sum(m.sum())}
     return loss, metrics
 
 
@@ -352,7 +353,7 @@ def gspo_policy_loss(
         metrics = {
             "clip_frac": masked_mean(is_clipped.to(m.dtype), seq_m),
             "ratio_mean": masked_mean(ratio, seq_m),
-            "ratio_max": torch.where(seq_m != 0, ratio, torch.zeros_like(ratio)).amax(),
+            "ratio_max": Max(torch.where(seq_m != 0, ratio, torch.zeros_like(ratio)).amax()),
             "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
         }
     return loss, metrics

@@ -203,6 +203,9 @@ class RewardFnConfig(_Section):
     cache: bool = True
     """Reuse the value of an identical (prompt, completion) call; off for a reward that is
     not a function of its inputs."""
+    accuracy: bool | None = None
+    """Log the share of samples scoring 1.0 as ``accuracy/NAME`` (a pass/fail verifier).
+    None: when the function is marked as a verifier (the built-in answer checkers are)."""
 
 
 class EnvConfig(_Section):
@@ -244,11 +247,40 @@ class TrainConfig(_Section):
     """torch intra-op threads; None leaves torch's default."""
 
 
+class WandbConfig(_Section):
+    """Weights & Biases (``pip install 'rltune[wandb]'``); its files go under the run
+    directory. ``offline`` needs no account or network (``wandb sync`` uploads later)."""
+
+    project: str = "rltune"
+    mode: Literal["offline", "online"] = "offline"
+    entity: str | None = None
+    name: str | None = None
+    """Run name; None uses the config's ``name``."""
+    tags: list[str] = Field(default_factory=list)
+
+
+class MlflowConfig(_Section):
+    """MLflow (``pip install 'rltune[mlflow]'``)."""
+
+    tracking_uri: str | None = None
+    """None: a local store in the run directory (``sqlite:///RUN/mlflow.db``); a
+    ``file:`` URI, a database URI or a tracking server's ``http(s)://`` address."""
+    experiment: str = "rltune"
+    run_name: str | None = None
+    """None uses the config's ``name``."""
+
+
 class LogConfig(_Section):
     dir: str = "runs"
     console: bool = True
     samples_per_step: int | None = None
     """Rollouts written to samples.jsonl per step; None writes all."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``RUN/tensorboard`` (``pip install 'rltune[tensorboard]'``)."""
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases; ``log.wandb: {}`` for the defaults (offline)."""
+    mlflow: MlflowConfig | None = None
+    """Also log to MLflow; ``log.mlflow: {}`` for the defaults (a store in the run directory)."""
 
 
 class CheckpointConfig(_Section):

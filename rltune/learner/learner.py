@@ -13,6 +13,8 @@ from rltune.data.records import TrainBatch
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
+from rltune.metrics.types import Aggregator, Histogram, Last, Mean, Metric, Sum
+from rltune.models.load import is_moe
 
 
 
@@ -41,39 +43,42 @@ class LocalLearner:
         self.optimizer = build_optimizer(model.parameters(), cfg)
         self.schedule = build_schedule(self.optimizer, cfg, updates_per_step=updates_per_step)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.moe = hasattr(model, "config") and is_moe(model)
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.version = 0
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns the step's metrics."""
+    def step(self, batch: TrainBatch) -> dict[str, Metric]:
+        """One optimizer step on ``batch``; returns the step's metrics, typed (means
+        weighted by each micro-batch's ``objective.metric_weight``)."""
         self.model.train()
-        tokens = batch.loss_mask.sum()
         denominator = self.objective.denominator(batch)
-        sums: dict[str, torch.Tensor] = {}
-        total_weight = torch.zeros(())
+        agg = Aggregator()
         total_loss = torch.zeros(())
+        load = None
         for mb in split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit):
             with self._autocast():
                 out = self.objective.forward(
-                    self.model, mb, temperature=self.temperature, router_logits=self.aux_loss_coef > 0
+                    self.model, mb, temperature=self.temperature, router_logits=self.moe
                 )
             loss, metrics = self.objective.loss(out, mb, denominator)
             if out.aux_loss is not None and self.aux_loss_coef > 0:
                 share = len(mb) / len(batch)
                 loss = loss + self.aux_loss_coef * share * out.aux_loss.float()
                 metrics["aux_loss"] = out.aux_loss.detach().float()
+            mb_load = getattr(out, "expert_load", None)
+            if mb_load is not None:
+                load = mb_load if load is None else load + mb_load
             loss.backward()
             total_loss += loss.detach().float()
-            weight = self.objective.metric_weight(mb)
-            total_weight += weight
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
-        # metrics stay tensors through the micro-batches and become floats once per step
-        result = {k: float(v / total_weight.clamp(min=1)) for k, v in sums.items()}
-        result["loss"] = float(total_loss)
+            # values stay tensors through the micro-batches and become floats once per step
+            agg.add(metrics, weight=self.objective.metric_weight(mb).detach().float())
+        result = agg.result()
+        result["loss"] = Mean(float(total_loss))  # the micro-batch losses add up to the step's
         result.update(self._apply_gradients())
-        result["tokens"] = float(tokens)
+        result["tokens"] = Sum(float(batch.loss_mask.sum()))
+        if load is not None:
+            result.update(expert_load_metrics(load))
         return result
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -93,7 +98,7 @@ class LocalLearner:
             budget=self.cfg.micro_batch_tokens, temperature=self.temperature, autocast=self._autocast,
         )
 
-    def _apply_gradients(self) -> dict[str, float]:
+    def _apply_gradients(self) -> dict[str, Metric]:
         """Clip and step, or skip the step when the gradient norm is not finite."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
@@ -115,10 +120,10 @@ class LocalLearner:
                 "the rewards and data for extreme values."
             )
         return {
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "skipped": float(not finite),
-            "nonfinite_total": float(self.nonfinite_total),
+            "grad_norm": Mean(grad_norm),
+            "lr": Last(lr),
+            "skipped": Sum(float(not finite)),
+            "nonfinite_total": Last(float(self.nonfinite_total)),
         }
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -129,6 +134,26 @@ class LocalLearner:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def expert_load_metrics(load: torch.Tensor, *, per_expert_up_to: int = 16) -> dict[str, Metric]:
+    """How evenly an MoE model's routing spread over its experts in one step.
+
+    ``load`` ``[L, E]``: routing choices per layer and expert. Each expert's share of its
+    layer's choices is scaled by ``E``, so 1.0 is a perfectly even load: ``moe/load_max``
+    (the busiest expert of any layer), ``moe/load_min`` (the idlest), ``moe/load/eI``
+    (expert I averaged over layers, for models with at most ``per_expert_up_to`` experts)
+    and the histogram ``moe/expert_load`` of every layer's experts."""
+    layers, experts = load.shape
+    share = load / load.sum(-1, keepdim=True).clamp(min=1) * experts  # [L, E]
+    metrics: dict[str, Metric] = {
+        "moe/load_max": Mean(float(share.max())),
+        "moe/load_min": Mean(float(share.min())),
+        "moe/expert_load": Histogram(share.reshape(-1)),
+    }
+    if experts <= per_expert_up_to:
+        metrics.update({f"moe/load/e{i}": Mean(float(v)) for i, v in enumerate(share.mean(0))})
+    return metrics
 
 
 @torch.no_grad()

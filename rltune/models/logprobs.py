@@ -25,11 +25,14 @@ class LogProbOutput:
     column is padding. ``entropy`` ``[B, C]`` float32 (no grad) of the same distribution at
     the same positions, 0 on padding, or None when not asked for. ``aux_loss`` is the
     router load-balancing loss (0-dim) of an MoE model when asked for, else None.
+    ``expert_load`` ``[L, E]`` (no grad), with ``aux_loss``: per layer, how many of the
+    attended tokens' top-k routing choices went to each expert.
     """
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -119,7 +122,23 @@ def completion_logprobs(
     logprobs = torch.where(valid, token_logprobs(logits, input_ids[:, prompt_len:]), zero)
     entropy = torch.where(valid, entropy_from_logits(logits), zero) if with_entropy else None
     aux_loss = out.aux_loss if extra else None
-    return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss)
+    load = expert_load(model, out.router_logits, attention_mask) if extra else None
+    return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss, expert_load=load)
+
+
+@torch.no_grad()
+def expert_load(model: torch.nn.Module, router_logits: tuple[torch.Tensor, ...],
+                attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[L, E]`` counts of the attended tokens' top-k routing choices per layer and
+    expert (``router_logits``: one ``[B*T, E]`` tensor per MoE layer, as HF returns them;
+    k is the config's ``num_experts_per_tok``)."""
+    k = int(getattr(model.config, "num_experts_per_tok", 1) or 1)
+    attended = attention_mask.reshape(-1).bool()
+    rows = []
+    for logits in router_logits:
+        chosen = logits[attended.to(logits.device)].topk(k, dim=-1).indices.reshape(-1)
+        rows.append(torch.bincount(chosen, minlength=logits.shape[-1]))
+    return torch.stack(rows).float()
 
 
 def _check_inputs(

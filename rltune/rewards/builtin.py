@@ -19,6 +19,7 @@ import torch
 
 from rltune.algos import overlong_penalty
 from rltune.data.records import Prompt
+from rltune.rewards.contract import verifier
 from rltune.rewards.math_verify import math_answer as math_answer  # `builtin:math_answer`
 
 # Built-in rewards that load models, clients or the sandbox: imported on first use.
@@ -50,6 +51,7 @@ _NUMBER = re.compile(
 _BOXED = "\\boxed{"
 
 
+@verifier
 def exact_numeric(
     prompt: Prompt,
     completion: str,

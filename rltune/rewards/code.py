@@ -23,6 +23,7 @@ import re
 from collections.abc import Sequence
 
 from rltune.data.records import Prompt
+from rltune.rewards.contract import verifier
 from rltune.sandbox import Limits, SandboxError, run_tests
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
@@ -52,6 +53,7 @@ def extract_code(completion: str) -> str:
     return completion
 
 
+@verifier
 def code_tests(
     prompt: Prompt,
     completion: str,

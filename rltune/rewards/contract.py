@@ -31,6 +31,7 @@ from typing import Any, Callable, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 _BATCHED_ATTR = "__rltune_batched__"
+_VERIFIER_ATTR = "__rltune_verifier__"
 
 
 def batched(fn: F) -> F:
@@ -42,6 +43,19 @@ def batched(fn: F) -> F:
 def is_batched(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` was marked with :func:`batched`."""
     return bool(getattr(fn, _BATCHED_ATTR, False))
+
+
+def verifier(fn: F) -> F:
+    """Mark ``fn`` as a verifier: 1.0 means the answer is correct, anything less that it
+    is not, so the share of samples scoring 1.0 is the step's accuracy
+    (``accuracy/NAME`` in the metrics)."""
+    setattr(fn, _VERIFIER_ATTR, True)
+    return fn
+
+
+def is_verifier(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` was marked with :func:`verifier`."""
+    return bool(getattr(fn, _VERIFIER_ATTR, False))
 
 
 class SampleDropped(Exception):

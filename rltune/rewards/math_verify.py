@@ -48,6 +48,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from rltune.data.records import Prompt
+from rltune.rewards.contract import verifier
 
 if TYPE_CHECKING:
     import sympy
@@ -99,6 +100,7 @@ _SYMPY_CHARS = re.compile(r"[0-9A-Za-z+\-*/^(). ]*")
 _PROBES = (0.5772156649, 1.6180339887, 2.7182818284)
 
 
+@verifier
 def math_answer(
     prompt: Prompt,
     completion: str,

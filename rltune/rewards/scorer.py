@@ -57,7 +57,7 @@ from multiprocessing.connection import wait as wait_connections
 from typing import TYPE_CHECKING, Any, Literal
 
 from rltune.data.records import Prompt, Rollout
-from rltune.rewards.contract import SampleDropped, is_batched
+from rltune.rewards.contract import SampleDropped, is_batched, is_verifier
 from rltune.rewards.loading import RewardLoadError, load_reward_fn
 
 if TYPE_CHECKING:  # only for annotations: scoring needs none of the config machinery
@@ -85,6 +85,8 @@ class RewardFn:
     cache: bool = True
     spec: str | None = None
     base_dir: str | None = None
+    accuracy: bool = False
+    """A pass/fail verifier: the share of its samples scoring 1.0 is logged as accuracy."""
 
     @property
     def batched(self) -> bool:
@@ -177,6 +179,7 @@ def build_reward_fns(
             RewardFn(
                 name, fn, config.weight, dict(config.kwargs), timeout_s=config.timeout_s,
                 cache=config.cache, spec=config.fn, base_dir=base_dir,
+                accuracy=is_verifier(fn) if config.accuracy is None else config.accuracy,
             )
         )
     return reward_fns
@@ -209,6 +212,11 @@ class LocalScorer:
         self._threads: _DaemonThreads | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._processes: _ProcessPool | None = None
+
+    @property
+    def accuracy_names(self) -> tuple[str, ...]:
+        """The rewards whose share of 1.0 scores is logged as accuracy."""
+        return tuple(f.name for f in self.reward_fns if f.accuracy)
 
     def score(self, prompts: Mapping[str, Prompt], rollouts: list[Rollout]) -> ScoreStats:
         """Fill ``rewards``, ``reward``, ``reward_error`` and ``dropped`` of every rollout,

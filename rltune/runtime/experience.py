@@ -10,7 +10,7 @@ on its last token minus, with ``algo.kl_in_reward``, ``kl_coef`` times the k1 KL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +27,7 @@ from rltune.algos import (
 )
 from rltune.data.collate import collate_rollouts
 from rltune.data.records import Rollout, TrainBatch
+from rltune.metrics.types import Histogram, MetricLike
 
 if TYPE_CHECKING:
     from rltune.runtime.loop import Run
@@ -99,8 +100,12 @@ def _token_rewards(run: "Run", batch: TrainBatch, scores: torch.Tensor, metrics:
     return kl_shaped_rewards(scores, kl, batch.loss_mask, kl_coef=coef)
 
 
-def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, float]:
-    """Reward, length and group statistics of one step's rollouts."""
+def rollout_metrics(
+    rollouts: Sequence[Rollout], group_size: int, *, accuracy: Collection[str] = ()
+) -> dict[str, MetricLike]:
+    """Reward, length and group statistics of one step's rollouts, with the histograms
+    ``hist/reward`` (scored samples) and ``hist/length``. ``accuracy``: the names of the
+    pass/fail verifiers among the rewards (:func:`accuracy_metrics`)."""
     rewards, valid = rewards_tensor(rollouts)
     lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
     clipped = torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.float32)
@@ -129,6 +134,27 @@ def rollout_metrics(rollouts: Sequence[Rollout], group_size: int) -> dict[str, f
             [v for r in rollouts if (v := r.rewards.get(name)) is not None], dtype=torch.float32
         )
         metrics[f"reward/{name}"] = _mean(values)
+    metrics.update(accuracy_metrics(rollouts, accuracy))
+    metrics["hist/reward"] = Histogram(rewards[valid])
+    metrics["hist/length"] = Histogram(lengths)
+    return metrics
+
+
+def accuracy_metrics(rollouts: Sequence[Rollout], verifiers: Collection[str]) -> dict[str, float]:
+    """``accuracy/NAME``: the share of the samples verifier NAME scored that it scored
+    1.0 (correct); ``accuracy``: the share of samples every verifier scored that all of
+    them scored 1.0. Nothing when there is no verifier."""
+    metrics: dict[str, float] = {}
+    correct_all = []
+    for r in rollouts:
+        values = [r.rewards.get(name) for name in verifiers]
+        if verifiers and all(v is not None for v in values):
+            correct_all.append(all(v >= 1.0 for v in values))
+    for name in sorted(verifiers):
+        scored = [v >= 1.0 for r in rollouts if (v := r.rewards.get(name)) is not None]
+        metrics[f"accuracy/{name}"] = sum(scored) / len(scored) if scored else float("nan")
+    if verifiers:
+        metrics["accuracy"] = sum(correct_all) / len(correct_all) if correct_all else float("nan")
     return metrics
 
 

@@ -20,8 +20,10 @@ from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams, TrainBatch
 from rltune.data.sampler import PromptSampler
 from rltune.metrics.sinks import ConsoleProgress, JsonlWriter
+from rltune.metrics.types import Aggregator, Last, Max, Metric, MetricLike, Sum
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.evaluate import evaluate
+from rltune.runtime.sinks import MetricSinks, open_sinks
 from rltune.runtime.experience import make_experience, rewards_tensor, rollout_metrics
 from rltune.runtime.state import restore, save
 
@@ -37,7 +39,7 @@ class Scorer(Protocol):
 
 class Learner(Protocol):
     version: int
-    def step(self, batch: TrainBatch) -> dict[str, float]: ...
+    def step(self, batch: TrainBatch) -> dict[str, MetricLike]: ...
     def logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
     def export_weights(self) -> dict[str, torch.Tensor]: ...
 
@@ -85,9 +87,10 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
     Returns the metrics of every step run in this call."""
     cfg = run.cfg
     resumed = restore(run)
-    metrics_log = JsonlWriter(run.run_dir / "metrics.jsonl", resume_after_step=run.step if resumed else None)
-    samples_log = JsonlWriter(run.run_dir / "samples.jsonl", resume_after_step=run.step if resumed else None)
-    with ConsoleProgress(cfg.train.steps, start=run.step, enabled=cfg.log.console) as bar:
+    resume_after = run.step if resumed else None
+    samples_log = JsonlWriter(run.run_dir / "samples.jsonl", resume_after_step=resume_after)
+    metrics_log = open_sinks(cfg, run.run_dir, resume_after_step=resume_after)
+    with metrics_log, ConsoleProgress(cfg.train.steps, start=run.step, enabled=cfg.log.console) as bar:
         for warning in run.data_warnings:
             bar.print(warning)
         if run.step == 0 and run.eval_prompts:
@@ -95,10 +98,10 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
         last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
         while run.step < last:
             run.step += 1
-            metrics = train_step(run, samples_log)
+            typed = train_step(run, samples_log)
             if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.train.steps:
-                metrics.update(_eval_metrics(run, bar))
-            metrics_log.write({"step": run.step, **metrics})
+                typed.update(_eval_metrics(run, bar))
+            metrics = metrics_log.log(run.step, typed)
             run.history.append(metrics)
             bar.update(run.step, metrics)
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
@@ -108,38 +111,56 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
             _log_eval(run, bar, metrics_log)
     if ran and not (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0):
         save(run)
-    metrics_log.close()
     samples_log.close()
     return run.history
 
 
-def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, float]:
+def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
     """One step: draw prompts, make a batch (generating and scoring when the algorithm is
-    online), learn on it, publish the new weights."""
+    online), learn on it, publish the new weights. Returns the step's metrics, typed."""
     cfg = run.cfg
     clock = _Clock()
     prompts = _draw(run, cfg.train.prompts_per_step)
-    metrics: dict[str, float] = {}
+    metrics = Aggregator()
+    generated_tokens = 0
     if run.algorithm.online:
         prompts, rollouts = collect_rollouts(run, prompts, clock, metrics)
         batch, made = make_experience(run, rollouts)
-        metrics.update(made)
+        metrics.add(made)
         clock.mark("experience")
-        metrics.update(rollout_metrics(rollouts, cfg.algo.group_size))
+        accuracy = getattr(run.scorer, "accuracy_names", ())
+        metrics.add(rollout_metrics(rollouts, cfg.algo.group_size, accuracy=accuracy))
+        metrics.add(staleness_metrics(rollouts, run.learner.version))
+        generated_tokens = sum(len(r.completion_ids) for r in rollouts)
         _write_samples(samples_log, run.step, prompts, rollouts, cfg.log.samples_per_step)
     else:
         batch = run.collate(prompts)
-    metrics.update(learn(run, batch))
+    metrics.add(learn(run, batch))
     clock.mark("learn")
     if run.generator is not None:
         run.generator.load_weights(
             run.learner.version, None if run.shared_weights else run.learner.export_weights()
         )
         clock.mark("sync")
-    metrics.update(clock.metrics())
-    metrics["policy_version"] = float(run.learner.version)
-    metrics["samples_per_s"] = len(batch) / metrics["time/step"]
-    return metrics
+    times = clock.metrics()
+    metrics.add(times)
+    step_s = times["time/step"]
+    metrics.add({
+        "policy_version": Last(float(run.learner.version)),
+        "samples_per_s": len(batch) / step_s,
+        # generated tokens when the step generates, else the tokens learned on
+        "tokens_per_s": (generated_tokens or float(batch.loss_mask.sum())) / step_s,
+    })
+    return metrics.result()
+
+
+def staleness_metrics(rollouts: list[Rollout], learner_version: int) -> dict[str, Metric]:
+    """How many policy versions behind the learner the step's samples were generated:
+    ``staleness/mean`` and ``staleness/max`` (0 when generation waits for every update)."""
+    if not rollouts:
+        return {}
+    lags = [learner_version - r.policy_version for r in rollouts]
+    return {"staleness/mean": sum(lags) / len(lags), "staleness/max": Max(float(max(lags)))}
 
 
 def _draw(run: Run, n: int) -> list[Prompt]:
@@ -147,7 +168,7 @@ def _draw(run: Run, n: int) -> list[Prompt]:
 
 
 def collect_rollouts(
-    run: Run, prompts: list[Prompt], clock: "_Clock", metrics: dict[str, float]
+    run: Run, prompts: list[Prompt], clock: "_Clock", metrics: Aggregator
 ) -> tuple[list[Prompt], list[Rollout]]:
     """Generate and score ``group_size`` samples per prompt.
 
@@ -177,20 +198,19 @@ def collect_rollouts(
         more_prompts, more_rollouts = _groups_with_signal(more, new, group)
         kept_prompts += more_prompts
         kept += more_rollouts
-    metrics["groups/kept_frac"] = len(kept_prompts) / drawn
-    metrics["groups/refill_rounds"] = float(rounds)
+    metrics.add({"groups/kept_frac": len(kept_prompts) / drawn, "groups/refill_rounds": float(rounds)})
     return kept_prompts[:wanted], kept[: wanted * group]
 
 
 def _generate_and_score(
     run: Run, prompts: list[Prompt], params: SamplingParams, clock: "_Clock",
-    metrics: dict[str, float], *, group_offset: int,
+    metrics: Aggregator, *, group_offset: int,
 ) -> list[Rollout]:
     rollouts = run.generator.generate(prompts, params, group_offset=group_offset)
     clock.mark("generate")
     stats = run.scorer.score({p.id: p for p in prompts}, rollouts)
-    for key, value in stats.metrics().items():  # summed over refill rounds
-        metrics[key] = metrics.get(key, 0.0) + value
+    # counts and seconds, summed over refill rounds
+    metrics.add({key: Sum(value) for key, value in stats.metrics().items()})
     if run.cfg.algo.overlong_buffer:
         _apply_overlong_penalty(run, rollouts)
     clock.mark("score")
@@ -221,15 +241,15 @@ def _groups_with_signal(
     )
 
 
-def learn(run: Run, batch: TrainBatch) -> dict[str, float]:
+def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
     """``algo.epochs`` passes over ``batch``, each in ``algo.minibatches`` optimizer steps
     on a shuffled split; the critic (PPO) steps on the same mini-batch first, and during
-    ``algo.critic_warmup_steps`` it is the only one that steps. Returns the mean metrics
-    of the updates (critic metrics prefixed ``critic/``)."""
+    ``algo.critic_warmup_steps`` it is the only one that steps. Returns the metrics of the
+    updates combined, each by its reduction (critic metrics prefixed ``critic/``)."""
     a = run.cfg.algo
     if len(batch) == 0:
-        return {"learn/empty_batch": 1.0}
-    updates: list[dict[str, float]] = []
+        return {"learn/empty_batch": Sum(1.0)}
+    updates = Aggregator()
     for _ in range(a.epochs):
         order = (
             torch.randperm(len(batch), generator=run.state.generators["minibatch"])
@@ -237,13 +257,11 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, float]:
         )
         for rows in order.chunk(a.minibatches):
             mb = batch.select(rows) if a.minibatches > 1 else batch
-            metrics: dict[str, float] = {}
             if run.critic is not None:
-                metrics.update({f"critic/{k}": v for k, v in run.critic.step(mb).items()})
+                updates.add({f"critic/{k}": v for k, v in run.critic.step(mb).items()})
             if run.step > a.critic_warmup_steps:
-                metrics.update(run.learner.step(mb))
-            updates.append(metrics)
-    return {k: sum(u[k] for u in updates) / len(updates) for k in updates[-1]}
+                updates.add(run.learner.step(mb))
+    return updates.result()
 
 
 def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
@@ -267,8 +285,8 @@ def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
     return metrics
 
 
-def _log_eval(run: Run, bar: ConsoleProgress, log: JsonlWriter) -> None:
-    log.write({"step": run.step, **_eval_metrics(run, bar)})
+def _log_eval(run: Run, bar: ConsoleProgress, log: MetricSinks) -> None:
+    log.log(run.step, _eval_metrics(run, bar))
 
 
 def _write_samples(

@@ -48,7 +48,7 @@ RESUME_CONFIG = (
     "checkpoint.resume=auto",
     "train.threads=1",  # tiny matrices: one thread is faster, and steady on a busy machine
 )
-TIMING_KEYS = ("samples_per_s",)
+TIMING_KEYS = ("samples_per_s", "tokens_per_s")
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 

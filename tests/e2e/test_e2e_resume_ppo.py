@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
 
 def _deterministic(metrics: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/")) and k != "samples_per_s"}
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/")) and k not in ("samples_per_s", "tokens_per_s")}
 
 
 def _same(a: dict[str, float], b: dict[str, float]) -> bool:

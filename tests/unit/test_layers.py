@@ -6,8 +6,12 @@ functions or under ``if TYPE_CHECKING:``. A violation is reported as ``FILE:LINE
 Layers, low to high; a package may import itself and the packages of lower layers only
 (two packages of one layer are independent of each other)::
 
-    algos, config, sandbox -> data -> models -> rollout, rewards -> envs, learner
-        -> checkpoint -> metrics -> runtime -> cli
+    metrics -> algos, config, sandbox -> data -> models -> rollout, rewards -> envs, learner
+        -> checkpoint -> runtime -> cli
+
+``metrics`` (typed metrics, sinks, dashboard, report) is at the bottom so that every
+layer, the loss math included, can return its measurements as typed metrics; it reads
+run directories, never the rest of the package.
 
 Besides the layers: ``algos`` imports only torch and the standard library, ``config``
 imports no torch, and the optional dependencies (ray, vllm, wandb, mlflow) appear only in
@@ -32,22 +36,23 @@ PACKAGE_DIR = Path(rltune.__file__).parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 ORDER: list[tuple[str, ...]] = [
+    ("metrics",),
     ("algos", "config", "sandbox"),
     ("data",),
     ("models",),
     ("rollout", "rewards"),
     ("envs", "learner"),
     ("checkpoint",),
-    ("metrics",),
     ("runtime",),
     ("cli",),
 ]
 
-_BASE = {"algos", "config", "sandbox"}
+_BASE = {"algos", "config", "metrics", "sandbox"}
 ALLOWED: dict[str, set[str]] = {
-    "algos": {"algos"},
-    "config": {"config"},
-    "sandbox": {"sandbox"},
+    "metrics": {"metrics"},
+    "algos": {"algos", "metrics"},
+    "config": {"config", "metrics"},
+    "sandbox": {"sandbox", "metrics"},
     "data": {"data"} | _BASE,
     "models": {"models", "data"} | _BASE,
     "rollout": {"rollout", "models", "data"} | _BASE,
@@ -55,12 +60,11 @@ ALLOWED: dict[str, set[str]] = {
     "envs": {"envs", "rollout", "rewards", "models", "data"} | _BASE,
     "learner": {"learner", "rollout", "rewards", "models", "data"} | _BASE,
     "checkpoint": {"checkpoint", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
-    "metrics": {"metrics", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
     "runtime": {
-        "runtime", "metrics", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
+        "runtime", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
     "cli": {
-        "cli", "runtime", "metrics", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
+        "cli", "runtime", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
 }
 """Package -> the packages of rltune it may import. ``rltune`` itself (the top-level

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rltune.algos import AGGREGATIONS, aggregate_loss, loss_denominator, ppo_policy_loss, sft_loss
+from rltune.metrics.types import Max, scalars
 
 F64 = torch.float64
 MAX_LEN = 12  # the constant length of "seq-mean-token-sum-norm" in these tests (T = 9)
@@ -116,7 +117,7 @@ def test_ppo_hand_values_and_clip_gradient():
     grad = torch.tensor([[-math.exp(0.1), 0.0, 0.0, 1.5, -0.5]], dtype=F64) / 5.0
     torch.testing.assert_close(lp.grad, grad, rtol=0, atol=1e-12)
     assert abs(metrics["clip_frac"].item() - 0.4) < 1e-12  # tokens b and c
-    assert abs(metrics["ratio_max"].item() - 1.5) < 1e-12
+    assert abs(metrics["ratio_max"].value.item() - 1.5) < 1e-12
     # ratio mean (1.105171 + 1.5 + 0.5 + 1.5 + 0.5) / 5
     assert abs(metrics["ratio_mean"].item() - (math.exp(0.1) + 4.0) / 5.0) < 1e-12
 
@@ -176,9 +177,11 @@ def test_ppo_matches_loop_reference(agg, dual, weighted):
         max_len=MAX_LEN,
     )
     assert abs(loss.item() - ref_loss) < 1e-6
+    assert isinstance(metrics["ratio_max"], Max)  # the others are means
     for name, value in ref_metrics.items():
-        assert abs(metrics[name].item() - value) < 1e-6, name
-        assert metrics[name].dim() == 0 and not metrics[name].requires_grad
+        got = metrics[name].value if name == "ratio_max" else metrics[name]
+        assert abs(got.item() - value) < 1e-6, name
+        assert got.dim() == 0 and not got.requires_grad
 
 
 def test_random_batch_exercises_both_clip_sides_and_dual_clip():
@@ -252,7 +255,7 @@ def test_empty_mask_gives_zero_loss_and_finite_grads_with_inf_padding(agg):
     assert loss.item() == 0.0
     loss.backward()
     assert torch.equal(lp.grad, torch.zeros(2, 3))
-    assert all(v.item() == 0.0 for v in metrics.values())
+    assert all(v == 0.0 for v in scalars(metrics).values())
     sft, sft_metrics = sft_loss(torch.full((2, 3), -float("inf")), torch.zeros(2, 3))
     assert sft.item() == 0.0 and sft_metrics["nll"].item() == 0.0
 
@@ -290,7 +293,7 @@ def test_sft_hand_values():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     loss, metrics = sft_loss(lp, mask)
     assert abs(loss.item() - 7.0 / 3.0) < 1e-6  # (1 + 2 + 4) / 3
-    assert abs(metrics["nll"].item() - 7.0 / 3.0) < 1e-6 and metrics["num_tokens"].item() == 3.0
+    assert abs(metrics["nll"].item() - 7.0 / 3.0) < 1e-6 and metrics["num_tokens"].value.item() == 3.0
     loss.backward()
     torch.testing.assert_close(lp.grad, -mask / 3.0, rtol=0, atol=1e-7)
     half, _ = sft_loss(lp, mask, denominator=7.0)

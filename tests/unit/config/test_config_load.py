@@ -237,7 +237,8 @@ def test_dump_has_every_field_in_schema_order():
     assert list(data["train"]) == list(TrainConfig.model_fields)
     assert data["train"]["betas"] == [0.9, 0.999]
     assert data["reward"] == [
-        {"fn": "a:b", "weight": 1.0, "name": None, "kwargs": {}, "timeout_s": 60.0, "cache": True}
+        {"fn": "a:b", "weight": 1.0, "name": None, "kwargs": {}, "timeout_s": 60.0, "cache": True,
+         "accuracy": None}
     ]
 
 

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from rltune.metrics.types import scalars
 from rltune.algos import ALGORITHMS
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.records import TrainBatch
@@ -68,9 +69,9 @@ def test_learner_reports_and_uses_the_scheduled_lr() -> None:
     )
     bad = copy.copy(batch)
     bad.loss_mask = torch.tensor([[1.0, float("inf")]])
-    lrs = [learner.step(batch)["lr"], learner.step(batch)["lr"]]
-    assert learner.step(bad)["skipped"] == 1.0
-    lrs += [learner.step(batch)["lr"] for _ in range(5)]
+    lrs = [scalars(learner.step(batch))["lr"], scalars(learner.step(batch))["lr"]]
+    assert scalars(learner.step(bad))["skipped"] == 1.0
+    lrs += [scalars(learner.step(batch))["lr"] for _ in range(5)]
     expected = [1e-2 * lr_factor(s, warmup=2, total=10, schedule="cosine", min_ratio=0.0) for s in range(8)]
     assert lrs == pytest.approx(expected[:7], rel=1e-12)
     # seven applied steps: the optimizer now holds the lr of step 7

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rltune.metrics.types import scalars
 from rltune.algos import bradley_terry_loss, dpo_loss, simpo_loss
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.collate import collate_pairs
@@ -182,7 +183,7 @@ def run_step(model, objective: Objective, batch: TrainBatch, budget: int, grad_c
     learner.optimizer.register_step_pre_hook(
         lambda *_: grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
     )
-    return model, learner.step(batch), grads
+    return model, scalars(learner.step(batch)), grads
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from rltune.metrics.types import scalars
 from rltune.algos import ALGORITHMS, loss_denominator
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.collate import join
@@ -71,7 +72,7 @@ def step_and_capture(learner: LocalLearner, batch: TrainBatch) -> tuple[dict, di
         grads.update({n: p.grad.clone() for n, p in learner.model.named_parameters()})
 
     handle = learner.optimizer.register_step_pre_hook(snapshot)
-    metrics = learner.step(batch)
+    metrics = scalars(learner.step(batch))
     handle.remove()
     return metrics, grads
 
@@ -190,7 +191,7 @@ def test_nan_gradient_skips_the_step(tiny_model: torch.nn.Module, batch: TrainBa
     lr_step = learner.schedule.last_epoch
     param = learner.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
     handle = param.register_hook(lambda g: torch.full_like(g, float("nan")))
-    metrics = learner.step(batch)
+    metrics = scalars(learner.step(batch))
     handle.remove()
     assert metrics["skipped"] == 1.0
     assert not math.isfinite(metrics["grad_norm"])
@@ -199,14 +200,14 @@ def test_nan_gradient_skips_the_step(tiny_model: torch.nn.Module, batch: TrainBa
     assert learner.schedule.last_epoch == lr_step
     assert_state_unchanged(learner, before)
     # the next finite step goes through
-    assert learner.step(batch)["skipped"] == 0.0
+    assert scalars(learner.step(batch))["skipped"] == 0.0
     assert learner.version == 2
 
 
 def test_infinite_advantage_skips_the_step(tiny_model: torch.nn.Module, batch: TrainBatch) -> None:
     learner = make_learner(copy.deepcopy(tiny_model), "grpo", "seq-mean-token-mean")
     before = snapshot_state(learner)
-    metrics = learner.step(with_advantage(batch, float("inf")))
+    metrics = scalars(learner.step(with_advantage(batch, float("inf"))))
     assert metrics["skipped"] == 1.0
     assert learner.version == 0
     assert_state_unchanged(learner, before)
@@ -218,11 +219,11 @@ def test_consecutive_nonfinite_steps_raise_and_finite_step_resets(
     learner = make_learner(copy.deepcopy(tiny_model), "grpo", "token-mean", max_nonfinite_steps=3)
     bad = with_advantage(batch, float("inf"))
     for _ in range(2):
-        assert learner.step(bad)["skipped"] == 1.0
+        assert scalars(learner.step(bad))["skipped"] == 1.0
     # a finite step in between resets the count: two more bad steps are still allowed
-    assert learner.step(batch)["skipped"] == 0.0
+    assert scalars(learner.step(batch))["skipped"] == 0.0
     for _ in range(2):
-        assert learner.step(bad)["skipped"] == 1.0
+        assert scalars(learner.step(bad))["skipped"] == 1.0
     with pytest.raises(NonFiniteError, match=r"train\.lr.*train\.grad_clip"):
         learner.step(bad)
     assert learner.nonfinite_total == 5

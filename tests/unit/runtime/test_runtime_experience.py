@@ -11,6 +11,7 @@ import torch
 from rltune.data.records import Rollout
 from rltune.algos import ALGORITHMS
 from rltune.config.schema import AlgoConfig
+from rltune.metrics.types import histograms, scalars
 from rltune.runtime.experience import make_experience, rollout_metrics
 
 PAD = 0
@@ -75,10 +76,23 @@ def test_missing_reward_is_masked_out_and_left_out_of_the_baseline(scale: str, g
     assert not torch.isnan(batch.advantages).any()
 
 
+def test_accuracy_is_the_share_of_full_marks_among_scored_samples() -> None:
+    # "correct" scored 8 samples: 1.0, 0.0, 2.0, 0.5 x4, 3.0 -> 3 at or above 1.0
+    metrics = scalars(rollout_metrics(rollouts(), GROUP, accuracy=("correct",)))
+    assert metrics["accuracy/correct"] == 3 / 8 and metrics["accuracy"] == 3 / 8
+    # both must be right: "format" is 1.0 everywhere, so the joint share is the same
+    both = scalars(rollout_metrics(rollouts(), GROUP, accuracy=("correct", "format")))
+    assert both["accuracy/format"] == 1.0 and both["accuracy"] == 3 / 8
+
+
 def test_rollout_metrics_count_errors_and_stay_finite() -> None:
-    metrics = rollout_metrics(rollouts(), GROUP)
+    typed = rollout_metrics(rollouts(), GROUP)
+    metrics = scalars(typed)
     valid = torch.tensor([r for r in REWARDS if r is not None])
     assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert histograms(typed) == {"hist/reward": [r for r in REWARDS if r is not None],
+                                 "hist/length": [float(n) for n in LENGTHS]}
+    assert not any(k.startswith("accuracy") for k in metrics)  # no verifier named
     assert metrics["reward/errors"] == 4.0
     assert metrics["reward/mean"] == pytest.approx(8.0 / 8)
     assert metrics["reward/std"] == pytest.approx(float(valid.std()))
