@@ -7,7 +7,6 @@ import math
 
 import torch
 
-from rltune.algos import masked_mean
 from rltune.config.schema import TrainConfig
 from rltune.data.records import TrainBatch
 from rltune.learner.microbatch import split_by_tokens
@@ -15,7 +14,6 @@ from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
 from rltune.metrics.types import Aggregator, Histogram, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
-
 
 
 class NonFiniteError(RuntimeError):

@@ -1,13 +1,22 @@
-"""Where metrics and samples go: JSON lines files and the console progress bar."""
+"""Where metrics and samples go: JSON lines files, the console progress bar, and the
+metric sinks (:class:`Sink`): TensorBoard here, Weights & Biases in
+:mod:`rltune.metrics.wandb`, MLflow in :mod:`rltune.metrics.mlflow`.
+
+Every sink skips non-finite values (nan, inf, and ``None``, which is how ``metrics.jsonl``
+writes them): the trackers either reject them or draw them as gaps that hide the rest
+of a chart, and ``metrics.jsonl`` already records that they happened."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -108,3 +117,134 @@ def format_stats(metrics: dict[str, float]) -> str:
     seconds = metrics.get("time/step")
     parts.append(f"{seconds:.2f} s/step" if seconds is not None else "- s/step")
     return "  ".join(parts)
+
+
+# --------------------------------------------------------------------------- metric sinks
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """A destination for a run's metrics and its resolved config.
+
+    ``log`` is called once per step (and once more at a step with the evaluation
+    metrics), with increasing steps; non-finite scalars and histogram values are skipped,
+    never an error. ``log_config`` gets the resolved config as a nested dict. ``close``
+    flushes and ends the run; calling it twice is harmless."""
+
+    def log(
+        self, step: int, scalars: Mapping[str, float], histograms: Mapping[str, Sequence[float]] | None = None
+    ) -> None: ...
+
+    def log_config(self, config: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def finite_scalars(scalars: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of ``scalars`` as floats; nan, inf and ``None`` are dropped.
+    Anything else (a string, a list) is a ``TypeError`` naming the metric, since it means
+    a histogram or a label was passed where a number belongs."""
+    out: dict[str, float] = {}
+    for name, value in scalars.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"metric {name!r}: a scalar must be a real number or None, got {type(value).__name__} "
+                            f"{value!r:.80}")
+        number = float(value)
+        if math.isfinite(number):
+            out[name] = number
+    return out
+
+
+def finite_values(values: Sequence[Any]) -> list[float]:
+    """The finite numbers of one histogram's ``values`` as floats (``None`` and non-finite
+    values dropped)."""
+    return [v for v in (float(x) for x in values if x is not None) if math.isfinite(v)]
+
+
+def finite_histograms(histograms: Mapping[str, Sequence[Any]] | None) -> dict[str, list[float]]:
+    """``histograms`` with non-finite values dropped, and any left empty dropped too."""
+    out: dict[str, list[float]] = {}
+    for name, values in (histograms or {}).items():
+        kept = finite_values(values)
+        if kept:
+            out[name] = kept
+    return out
+
+
+def plain_config(value: Any) -> Any:
+    """``value`` as plain YAML/JSON data: mappings become dicts, lists and tuples lists,
+    and anything else that is not a str, number, bool or None its ``str()`` (a path, an
+    enum), so every tracker can store it."""
+    if isinstance(value, Mapping):
+        return {str(k): plain_config(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_config(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return str(value)
+
+
+def config_yaml(config: Mapping[str, Any]) -> str:
+    """``config`` as YAML, keys in their given order."""
+    return yaml.safe_dump(plain_config(config), sort_keys=False, allow_unicode=True)
+
+
+def check_resume_step(resume_after_step: int | None, where: str) -> None:
+    """A ``ValueError`` naming ``where`` unless ``resume_after_step`` is None or a step >= 0."""
+    if resume_after_step is None:
+        return
+    if isinstance(resume_after_step, bool) or not isinstance(resume_after_step, int) or resume_after_step < 0:
+        raise ValueError(f"{where}: resume_after_step must be a step >= 0 or None, got {resume_after_step!r}")
+
+
+class TensorBoardSink:
+    """Writes TensorBoard event files into ``log_dir``: scalars as scalar summaries,
+    histograms as histogram summaries, the config as a text summary (YAML in a code
+    block) under the tag ``config``.
+
+    ``resume_after_step=N`` continues a run from its checkpoint at step N: the new event
+    file starts with a purge marker at step N + 1, so TensorBoard discards whatever the
+    interrupted run had logged after the checkpoint. Non-finite values are skipped.
+    Events are flushed after every call, so a live TensorBoard sees each step."""
+
+    CONFIG_TAG = "config"
+
+    def __init__(self, log_dir: Path, *, resume_after_step: int | None = None) -> None:
+        check_resume_step(resume_after_step, "TensorBoardSink")
+        try:
+            import numpy
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                f"TensorBoardSink needs the tensorboard package ({exc}); install it with "
+                "pip install 'rltune[tensorboard]'"
+            ) from exc
+        self._np = numpy
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        purge_step = None if resume_after_step is None else resume_after_step + 1
+        self._config_step = resume_after_step or 0
+        self._writer: Any = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def log(
+        self, step: int, scalars: Mapping[str, float], histograms: Mapping[str, Sequence[float]] | None = None
+    ) -> None:
+        """One scalar summary per finite scalar and one histogram per non-empty histogram
+        (its finite values), all at ``step``."""
+        for name, value in finite_scalars(scalars).items():
+            self._writer.add_scalar(name, value, step)
+        for name, values in finite_histograms(histograms).items():
+            self._writer.add_histogram(name, self._np.asarray(values, dtype=self._np.float64), step)
+        self._writer.flush()
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """The config as a YAML code block, at step 0 (at the resume step when resuming,
+        so the config each start ran with is kept)."""
+        text = f"```yaml\n{config_yaml(config)}```"
+        self._writer.add_text(self.CONFIG_TAG, text, self._config_step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

@@ -17,7 +17,6 @@ import torch
 
 from rltune.algos import (
     gae,
-    group_advantages,
     kl_penalty,
     kl_shaped_rewards,
     last_token_rewards,

@@ -23,8 +23,8 @@ from rltune.metrics.sinks import ConsoleProgress, JsonlWriter
 from rltune.metrics.types import Aggregator, Last, Max, Metric, MetricLike, Sum
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.evaluate import evaluate
-from rltune.runtime.sinks import MetricSinks, open_sinks
 from rltune.runtime.experience import make_experience, rewards_tensor, rollout_metrics
+from rltune.runtime.sinks import MetricSinks, open_sinks
 from rltune.runtime.state import restore, save
 
 

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from rltune.algos import AGGREGATIONS, aggregate_loss, loss_denominator, ppo_policy_loss, sft_loss
+from rltune.algos import (
+    AGGREGATIONS,
+    aggregate_loss,
+    loss_denominator,
+    ppo_policy_loss,
+    sft_loss,
+)
 from rltune.metrics.types import Max, scalars
 
 F64 = torch.float64

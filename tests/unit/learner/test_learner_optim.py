@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from rltune.metrics.types import scalars
 from rltune.algos import ALGORITHMS
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.records import TrainBatch
 from rltune.learner.learner import LocalLearner
 from rltune.learner.objectives import build_objective
 from rltune.learner.optim import build_optimizer, lr_factor
+from rltune.metrics.types import scalars
 
 
 def test_warmup_then_constant() -> None:

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rltune.metrics.types import scalars
 from rltune.algos import bradley_terry_loss, dpo_loss, simpo_loss
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.collate import collate_pairs
@@ -29,6 +28,7 @@ from rltune.learner.preference import (
     preference_method,
     reference_seq_logps,
 )
+from rltune.metrics.types import scalars
 from rltune.models.reward_model import load_reward_model
 
 PAIRS = 8

@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from rltune.metrics.types import scalars
 from rltune.algos import ALGORITHMS, loss_denominator
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.collate import join
 from rltune.data.records import TrainBatch
-from rltune.learner.learner import LocalLearner, NonFiniteError
+from rltune.learner.learner import LocalLearner, NonFiniteError, expert_load_metrics
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, build_objective
+from rltune.metrics.types import histograms, scalars
 from rltune.models.logprobs import completion_logprobs
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -288,3 +288,35 @@ def test_moe_aux_loss_reaches_the_router(tiny_moe_model: torch.nn.Module, batch:
         torch.testing.assert_close(diff, expected, rtol=1e-4, atol=1e-6, msg=name)
     for name in routers:
         assert float((grads[1.0][name] - grads[0.0][name]).abs().max()) > 1e-3
+
+
+# ---------------------------------------------------------------- MoE expert load
+
+
+def test_expert_load_metrics_by_hand() -> None:
+    # two layers, four experts; layer 0 routes 6 of 8 choices to expert 0, layer 1 evenly
+    load = torch.tensor([[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    got = expert_load_metrics(load)
+    # shares x 4 experts: layer 0 -> 3, 1, 0, 0; layer 1 -> 1, 1, 1, 1
+    assert scalars(got) == {"moe/load_max": 3.0, "moe/load_min": 0.0,
+                            "moe/load/e0": 2.0, "moe/load/e1": 1.0, "moe/load/e2": 0.5, "moe/load/e3": 0.5}
+    assert histograms(got) == {"moe/expert_load": [3.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]}
+    assert "moe/load/e0" not in expert_load_metrics(load, per_expert_up_to=3)
+
+
+def test_an_moe_step_reports_its_expert_load(tiny_moe_model: torch.nn.Module, batch: TrainBatch,
+                                             tiny_model: torch.nn.Module) -> None:
+    objective = build_objective(ALGORITHMS["grpo"], AlgoConfig())
+    learner = LocalLearner(copy.deepcopy(tiny_moe_model), objective, TrainConfig(lr=1e-3))
+    typed = learner.step(batch)
+    got = scalars(typed)
+    per_expert = [got[f"moe/load/e{i}"] for i in range(4)]
+    assert sum(per_expert) == pytest.approx(4.0)  # shares x E average to 1 in every layer
+    assert got["moe/load_max"] >= max(per_expert) >= 1.0 >= min(per_expert) >= got["moe/load_min"]
+    # the counts behind it: every attended token makes top-2 choices in each of 2 layers
+    out = completion_logprobs(copy.deepcopy(tiny_moe_model), batch.input_ids, batch.attention_mask,
+                              batch.prompt_len, output_router_logits=True)
+    assert out.expert_load.shape == (2, 4)
+    assert out.expert_load.sum(1).tolist() == [2.0 * float(batch.attention_mask.sum())] * 2
+    dense = LocalLearner(copy.deepcopy(tiny_model), objective, TrainConfig(lr=1e-3))
+    assert not any(k.startswith("moe/") for k in dense.step(batch))

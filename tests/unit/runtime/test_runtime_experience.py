@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltune.data.records import Rollout
 from rltune.algos import ALGORITHMS
 from rltune.config.schema import AlgoConfig
+from rltune.data.records import Rollout
 from rltune.metrics.types import histograms, scalars
 from rltune.runtime.experience import make_experience, rollout_metrics
 
