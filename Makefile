@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # CPU torch pinned for this machine and CI; the package itself accepts a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup browser demo test test-slow clean
 
 $(BIN)/rltune: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,12 +18,20 @@ $(BIN)/rltune: pyproject.toml
 
 setup: $(BIN)/rltune
 
+# Debian's chromium, which the dashboard's browser tests drive (a browser is never
+# downloaded); installed when missing and this user may, else those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+	  apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
+	  echo "note: chromium could not be installed; the dashboard's browser tests will skip"
+
 # SFT warm-up of the built-in tiny model, then GRPO; prints held-out accuracy before and after.
 demo: setup
 	$(BIN)/rltune train recipes/arith-sft.yaml
 	$(BIN)/rltune train recipes/arith-grpo.yaml
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 test-slow: setup

@@ -71,8 +71,11 @@ class LocalLearner:
             total_loss += loss.detach().float()
             # values stay tensors through the micro-batches and become floats once per step
             agg.add(metrics, weight=self.objective.metric_weight(mb).detach().float())
-        result = agg.result()
-        result["loss"] = Mean(float(total_loss))  # the micro-batch losses add up to the step's
+        # a loss, and each named part of it (``loss/...``), is the sum of its micro-batch
+        # parts; across steps and updates it is averaged
+        result = {k: Mean(m.value) if k.startswith("loss/") and isinstance(m, Sum) else m
+                  for k, m in agg.result().items()}
+        result["loss"] = Mean(float(total_loss))
         result.update(self._apply_gradients())
         result["tokens"] = Sum(float(batch.loss_mask.sum()))
         if load is not None:

@@ -24,6 +24,7 @@ from rltune.algos import (
 from rltune.algos.registry import ppo_loss_kwargs
 from rltune.config.schema import AlgoConfig
 from rltune.data.records import TrainBatch
+from rltune.metrics.types import Sum
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
 from rltune.models.value import ValueOutput, value_forward
 
@@ -110,12 +111,14 @@ def policy_objective(
         )
         metrics.update(correction)
         if kl_in_loss:
+            metrics["loss/policy"] = Sum(total.detach().float())
             kl = kl_penalty(out.logprobs, mb.ref_logprobs, kind=cfg.kl_kind)
             kl_loss = aggregate_loss(
                 kl, mb.loss_mask, aggregation=cfg.aggregation, denominator=denominator, max_len=max_len
             )
             total = total + cfg.kl_coef * kl_loss
             metrics["kl"] = masked_mean(kl.detach(), mb.loss_mask)
+            metrics["loss/kl"] = Sum(cfg.kl_coef * kl_loss.detach().float())
         metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
         if mb.behaviour_logprobs is not None:
             # engine vs learner log-prob gap on the same tokens: the rollout mismatch

@@ -320,3 +320,24 @@ def test_an_moe_step_reports_its_expert_load(tiny_moe_model: torch.nn.Module, ba
     assert out.expert_load.sum(1).tolist() == [2.0 * float(batch.attention_mask.sum())] * 2
     dense = LocalLearner(copy.deepcopy(tiny_model), objective, TrainConfig(lr=1e-3))
     assert not any(k.startswith("moe/") for k in dense.step(batch))
+
+
+# ---------------------------------------------------------------- metrics over micro-batches
+
+
+def test_step_metrics_do_not_depend_on_micro_batching(tiny_model: torch.nn.Module, batch: TrainBatch) -> None:
+    """Each metric combines by its own reduction: the loss parts add up over micro-batches,
+    the largest ratio is the largest of any micro-batch (a mean of per-micro-batch maxima,
+    which is what averaging every metric gave, is smaller), token counts add up."""
+    batch = copy.copy(batch)
+    batch.ref_logprobs = batch.old_logprobs - 0.1
+    objective = build_objective(ALGORITHMS["grpo"], AlgoConfig(kl_coef=0.5, kl_kind="k3"))
+    _, split, _ = run_split(tiny_model, batch, "grpo", "token-mean", budget_for(batch, 4), None, objective)
+    _, whole, _ = run_split(tiny_model, batch, "grpo", "token-mean", 10_000, None, objective)
+    assert whole["loss"] == pytest.approx(whole["loss/policy"] + whole["loss/kl"], rel=1e-6)
+    for name in ("loss", "loss/policy", "loss/kl", "ratio_max", "clip_frac", "kl", "entropy", "tokens"):
+        assert split[name] == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
+    # the ratio's maximum over the batch, by hand
+    ratio = (completion_logprobs(tiny_model, batch.input_ids, batch.attention_mask, batch.prompt_len)
+             .logprobs.detach() - batch.old_logprobs).exp()
+    assert whole["ratio_max"] == pytest.approx(float(ratio[batch.loss_mask.bool()].max()), rel=1e-5)
