@@ -1,0 +1,526 @@
+"""``rltune report RUN_DIR``: a run directory as a static, self-contained HTML page.
+
+From ``metrics.jsonl``, ``samples.jsonl`` and ``config.yaml`` of a run (finished or still
+writing) it makes PNG charts with matplotlib and an ``index.html`` beside them that
+needs nothing else: inline CSS, no scripts, no external addresses, the charts linked by
+file name. So the folder can be copied, mailed or served as it is.
+
+Charts are drawn on ``matplotlib.figure.Figure`` with the Agg canvas directly, never
+through ``pyplot``, so making a report changes no global matplotlib state of the process
+that calls it."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import numbers
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Series = dict[int, float]
+"""One metric: step -> value (finite values only; a later line at a step wins)."""
+
+REWARD_STATS = frozenset({"mean", "std", "min", "max", "errors", "timeouts", "dropped"})
+"""``reward/<name>`` keys that are statistics of the total reward, not a reward function."""
+
+SAMPLES_SHOWN = 3
+"""How many of the best and how many of the worst rollouts the page shows."""
+
+MAX_TEXT = 4000
+"""Characters of a prompt or completion shown; the rest is cut with a note."""
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported on; the message names the file (and line)."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    name: str
+    train: dict[str, Series] = field(default_factory=dict)
+    eval: dict[str, Series] = field(default_factory=dict)
+    train_steps: list[int] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """The rollouts of the last step in ``samples.jsonl``."""
+    config: dict[str, Any] | None = None
+    config_text: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class JsonlReader:
+    """The objects of a JSON lines file, read line by line (a samples file can be large).
+
+    Iterating yields ``(line number, object)`` (numbers 1-based); blank lines are
+    skipped. A last line that is not complete JSON (or not complete UTF-8), as a run
+    still writing leaves it, is left out and ``cut_short`` is set; any other line that
+    is not a JSON object is a :class:`ReportError` naming the file and line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut_short = False
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        failed: tuple[int, Exception] | None = None
+        with self.path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                if failed is not None:  # the bad line was not the last one
+                    raise ReportError(f"{self.path}:{failed[0]}: not a JSON line ({failed[1]})") from failed[1]
+                try:
+                    value = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    failed = (number, exc)
+                    continue
+                if not isinstance(value, dict):
+                    raise ReportError(f"{self.path}:{number}: expected a JSON object, got {type(value).__name__}")
+                yield number, value
+        self.cut_short = failed is not None
+
+
+def load_run(run_dir: Path) -> RunData:
+    """The metrics, samples and config of ``run_dir`` (``samples.jsonl`` and
+    ``config.yaml`` may be missing; ``metrics.jsonl`` may not)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist (or is not a directory)")
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ReportError(f"{metrics_path} does not exist: not a run directory, or the run has not started")
+    data = RunData(run_dir=run_dir, name=run_dir.name)
+    _read_config(run_dir / "config.yaml", data)
+    _read_metrics(metrics_path, data)
+    if (run_dir / "samples.jsonl").is_file():
+        _read_samples(run_dir / "samples.jsonl", data)
+    return data
+
+
+_CUT_SHORT = "The last line of {} was incomplete (the run is still writing) and is left out."
+
+
+def _read_config(path: Path, data: RunData) -> None:
+    if not path.is_file():
+        data.notes.append("There is no config.yaml in the run directory.")
+        return
+    text = path.read_text(encoding="utf-8")
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ReportError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from exc
+    if not isinstance(config, dict):
+        raise ReportError(f"{path}: expected a mapping of config sections, got {type(config).__name__}")
+    data.config, data.config_text = config, text
+    if isinstance(config.get("name"), str) and config["name"]:
+        data.name = config["name"]
+
+
+def _read_samples(path: Path, data: RunData) -> None:
+    """Every line is checked; only the rollouts of the last step are kept (the page
+    shows no others)."""
+    reader, last_step = JsonlReader(path), None
+    for number, row in reader:
+        step = _step_of(row, path, number)
+        if last_step is None or step > last_step:
+            last_step, data.samples = step, []
+        if step == last_step:
+            data.samples.append(row)
+    if reader.cut_short:
+        data.notes.append(_CUT_SHORT.format("samples.jsonl"))
+
+
+def _read_metrics(path: Path, data: RunData) -> None:
+    metrics = JsonlReader(path)
+    steps: set[int] = set()
+    for number, row in metrics:
+        step = _step_of(row, path, number)
+        for key, value in row.items():
+            if key == "step":
+                continue
+            if not key.startswith("eval/"):
+                steps.add(step)
+            number_value = _finite_number(value)
+            if number_value is not None:
+                target = data.eval if key.startswith("eval/") else data.train
+                target.setdefault(key, {})[step] = number_value
+    data.train_steps = sorted(steps)
+    if metrics.cut_short:
+        data.notes.append(_CUT_SHORT.format("metrics.jsonl"))
+
+
+def _step_of(row: Mapping[str, Any], path: Path, number: int) -> int:
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ReportError(f"{path}:{number}: 'step' must be an integer, got {step!r}")
+    return step
+
+
+def _finite_number(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number; None for null, nan, inf, and for
+    values that are not numbers (charts and tables show numbers only)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def reward_functions(data: RunData) -> list[str]:
+    """Names of the reward functions: the ``reward/<name>`` training metrics that are not
+    statistics of the total (``reward/mean``, ``reward/std``, ...) and not nested."""
+    names = []
+    for key in data.train:
+        rest = key.removeprefix("reward/")
+        if key.startswith("reward/") and "/" not in rest and rest not in REWARD_STATS:
+            names.append(rest)
+    return sorted(names)
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def _figure(panels: int = 1) -> tuple[Any, list[Any]]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.2 if panels == 1 else 5.0 * panels, 3.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
+
+
+def _line(ax: Any, series: Series, label: str, **style: Any) -> None:
+    steps = sorted(series)
+    ax.plot(steps, [series[s] for s in steps], label=label, marker="o", markersize=3, **style)
+
+
+def _finish(fig: Any, axes: Sequence[Any], path: Path, title: str, ylabel: Sequence[str]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax, label in zip(axes, ylabel):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if len(ax.get_legend_handles_labels()[1]) > 1:
+            ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.savefig(path, format="png")
+
+
+def _chart_reward(data: RunData, path: Path) -> bool:
+    mean, evals = data.train.get("reward/mean"), data.eval.get("eval/reward/mean")
+    if not mean and not evals:
+        return False
+    fig, [ax] = _figure()
+    if mean:
+        _line(ax, mean, "mean", linewidth=2.2, color="black")
+    for name in reward_functions(data):
+        _line(ax, data.train[f"reward/{name}"], name, linewidth=1.0, alpha=0.8)
+    if evals:
+        steps = sorted(evals)
+        ax.scatter(steps, [evals[s] for s in steps], label="eval mean", marker="D", s=36, color="tab:red", zorder=3)
+    _finish(fig, [ax], path, "Reward", ["reward"])
+    return True
+
+
+def _chart_lines(keys: Sequence[tuple[str, str]], title: str, ylabel: str) -> Callable[[RunData, Path], bool]:
+    """A chart of one panel with a line for each of ``keys`` ((metric, label)) present."""
+
+    def chart(data: RunData, path: Path) -> bool:
+        present = [(key, label) for key, label in keys if data.train.get(key)]
+        if not present:
+            return False
+        fig, [ax] = _figure()
+        for key, label in present:
+            _line(ax, data.train[key], label)
+        _finish(fig, [ax], path, title, [ylabel])
+        return True
+
+    return chart
+
+
+def _chart_throughput(data: RunData, path: Path) -> bool:
+    present = [(k, label) for k, label in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
+               if data.train.get(k)]
+    if not present:
+        return False
+    fig, axes = _figure(len(present))
+    for ax, (key, label) in zip(axes, present):
+        _line(ax, data.train[key], label)
+    _finish(fig, axes, path, "Throughput", [label for _, label in present])
+    return True
+
+
+TIME_PARTS = (("time/generate", "generate"), ("time/score", "score"), ("time/learn", "learn"), ("time/sync", "sync"))
+
+
+def _chart_time(data: RunData, path: Path) -> bool:
+    present = [(k, label) for k, label in TIME_PARTS if data.train.get(k)]
+    if not present:
+        return False
+    steps = sorted({s for k, _ in present for s in data.train[k]})
+    fig, [ax] = _figure()
+    bottom = [0.0] * len(steps)
+    for key, label in present:
+        heights = [data.train[key].get(s, 0.0) for s in steps]
+        ax.bar(steps, heights, bottom=bottom, label=label, width=0.8)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if data.train.get("time/step"):
+        _line(ax, data.train["time/step"], "whole step", color="black", linewidth=1.0)
+    _finish(fig, [ax], path, "Time per step", ["seconds"])
+    return True
+
+
+CHARTS: tuple[tuple[str, str, Callable[[RunData, Path], bool]], ...] = (
+    ("reward.png", "Reward", _chart_reward),
+    ("grad_norm.png", "Gradient norm", _chart_lines([("grad_norm", "grad norm")], "Gradient norm", "norm")),
+    ("kl.png", "KL", _chart_lines([("kl", "kl"), ("approx_kl", "approx kl")], "KL divergence", "kl")),
+    ("entropy.png", "Entropy", _chart_lines([("entropy", "entropy")], "Entropy", "nats per token")),
+    ("length.png", "Response length",
+     _chart_lines([("length/mean", "mean"), ("length/max", "max")], "Response length", "tokens")),
+    ("throughput.png", "Throughput", _chart_throughput),
+    ("time.png", "Time split", _chart_time),
+)
+"""(file name, caption, drawing function); a function returns False, and draws nothing,
+when none of its metrics was logged."""
+
+
+def write_charts(data: RunData, out_dir: Path) -> list[tuple[str, str]]:
+    """Draw every chart whose metrics exist into ``out_dir``; a chart file of an earlier
+    report whose metrics are now absent is removed. Returns (file name, caption) pairs."""
+    written = []
+    for filename, caption, draw in CHARTS:
+        path = out_dir / filename
+        if draw(data, path):
+            written.append((filename, caption))
+        elif path.exists():
+            path.unlink()
+    return written
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def fmt(value: float) -> str:
+    """A number for a table: integers as such (``8``), large values with thousands
+    separators and one decimal (``12,345.6``), others to 4 significant digits (``0.05385``)."""
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    if abs(value) >= 1000:
+        return f"{value:,.1f}"
+    return f"{value:.4g}"
+
+
+KEY_METRICS: tuple[tuple[str, str | None], ...] = (
+    ("reward/mean", "max"),
+    ("reward/std", None),
+    ("loss", None),
+    ("kl", None),
+    ("approx_kl", None),
+    ("entropy", None),
+    ("grad_norm", None),
+    ("clip_frac", None),
+    ("length/mean", None),
+    ("length/clipped_frac", None),
+    ("samples_per_s", "max"),
+    ("tokens_per_s", "max"),
+    ("time/step", "min"),
+)
+"""The summary table's metrics (those logged) and which direction is best, if any. The
+reward functions (``reward/<fn>``) and the accuracies (``accuracy``, ``accuracy/<fn>``),
+best: max, follow ``reward/mean``."""
+
+
+def _summary_rows(data: RunData) -> list[tuple[str, Series, str | None]]:
+    keys: list[tuple[str, str | None]] = list(KEY_METRICS[:1])
+    keys += [(f"reward/{name}", "max") for name in reward_functions(data)]
+    keys += [(key, "max") for key in sorted(data.train) if key == "accuracy" or key.startswith("accuracy/")]
+    keys += list(KEY_METRICS[1:])
+    return [(key, data.train[key], best) for key, best in keys if data.train.get(key)]
+
+
+def _best(series: Series, direction: str | None) -> str:
+    if direction is None:
+        return "–"
+    pick = max if direction == "max" else min
+    step = pick(sorted(series), key=lambda s: series[s])
+    return f"{fmt(series[step])} <span class=\"step\">(step {step})</span>"
+
+
+def _summary_table(data: RunData) -> str:
+    rows = _summary_rows(data)
+    if not rows:
+        return "<p>No training metrics have been logged yet.</p>"
+    body = []
+    for key, series, direction in rows:
+        first, last = min(series), max(series)
+        body.append(
+            f"<tr><th>{_e(key)}</th><td>{fmt(series[first])} <span class=\"step\">(step {first})</span></td>"
+            f"<td>{fmt(series[last])} <span class=\"step\">(step {last})</span></td>"
+            f"<td>{_best(series, direction)}</td></tr>"
+        )
+    head = "<tr><th>metric</th><th>first</th><th>last</th><th>best</th></tr>"
+    return f"<table class=\"summary\">{head}{''.join(body)}</table>"
+
+
+def _eval_table(data: RunData) -> str:
+    if not data.eval:
+        return ""
+    body = []
+    for key in sorted(data.eval):
+        series = data.eval[key]
+        last = max(series)
+        body.append(f"<tr><th>{_e(key)}</th><td>{fmt(series[last])}</td><td>{last}</td></tr>")
+    head = "<tr><th>metric</th><th>value</th><th>step</th></tr>"
+    return f"<h2>Final evaluation</h2><table class=\"eval\">{head}{''.join(body)}</table>"
+
+
+def _steps_line(data: RunData) -> str:
+    train = (data.config or {}).get("train")
+    planned = train.get("steps") if isinstance(train, dict) else None
+    if not data.train_steps:
+        text = "No training step logged yet"
+    else:
+        text = (f"Training steps {data.train_steps[0]}–{data.train_steps[-1]} "
+                f"({len(data.train_steps)} logged)")
+    if isinstance(planned, int) and not isinstance(planned, bool):
+        text += f" of {planned} planned"
+    eval_steps = sorted({s for series in data.eval.values() for s in series})
+    if eval_steps:
+        text += "; evaluated at step" + ("s " if len(eval_steps) > 1 else " ") + ", ".join(map(str, eval_steps))
+    return f"<p class=\"steps\">{_e(text)}.</p>"
+
+
+Sample = Mapping[str, Any]
+
+
+def pick_samples(samples: Sequence[Sample]) -> tuple[int | None, list[Sample], list[Sample], int]:
+    """At the last step that has samples: the best and the worst rollouts by reward
+    (up to :data:`SAMPLES_SHOWN` each, no rollout in both, worst first in its list), and
+    how many rollouts of that step had no reward (a failed reward function)."""
+    if not samples:
+        return None, [], [], 0
+    step = max(int(s["step"]) for s in samples)
+    at_step = [s for s in samples if s["step"] == step]
+    scored = [s for s in at_step if _finite_number(s.get("reward")) is not None]
+    ranked = sorted(scored, key=lambda s: -float(s["reward"]))
+    best = ranked[:SAMPLES_SHOWN]
+    worst = ranked[SAMPLES_SHOWN:][-SAMPLES_SHOWN:][::-1]
+    return step, best, worst, len(at_step) - len(scored)
+
+
+def _text(value: Any) -> str:
+    """A prompt or completion as text: chat messages as ``role: content`` lines."""
+    if isinstance(value, list):
+        return "\n".join(
+            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in value
+        )
+    return "" if value is None else str(value)
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to :data:`MAX_TEXT` characters, and control characters other than
+    tab, newline and carriage return (which HTML does not allow, and a model may well generate) written
+    as ``\\xNN`` so they stay visible."""
+    shown = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + f"\n… ({len(text) - MAX_TEXT} more characters)"
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", shown)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _sample_html(sample: Mapping[str, Any]) -> str:
+    facts = [f"reward {fmt(float(sample['reward']))}"]
+    rewards = sample.get("rewards")
+    if isinstance(rewards, dict):
+        for name, value in rewards.items():
+            number = _finite_number(value)
+            facts.append(f"{name} {fmt(number) if number is not None else '–'}")
+    for key in ("length", "finish_reason", "turns", "prompt_id"):
+        if sample.get(key) is not None:
+            facts.append(f"{key.replace('_', ' ')} {sample[key]}")
+    error = sample.get("reward_error")
+    error_html = f"<p class=\"error\">reward error: {_e(str(error))}</p>" if error else ""
+    return (
+        "<div class=\"sample\">"
+        f"<p class=\"facts\">{_e(' · '.join(facts))}</p>{error_html}"
+        f"<div class=\"label\">prompt</div><pre>{_e(_cut(_text(sample.get('prompt'))))}</pre>"
+        f"<div class=\"label\">completion</div><pre>{_e(_cut(_text(sample.get('completion'))))}</pre>"
+        "</div>"
+    )
+
+
+def _samples_section(data: RunData) -> str:
+    step, best, worst, unscored = pick_samples(data.samples)
+    if step is None:
+        return ""
+    parts = [f"<h2>Sample rollouts at step {step}</h2>"]
+    if unscored:
+        many = unscored != 1
+        parts.append(f"<p>{unscored} rollout{'s' if many else ''} of this step had no reward (a reward "
+                     f"function failed) and {'are' if many else 'is'} not ranked.</p>")
+    if best:
+        parts.append("<h3>Best</h3>" + "".join(_sample_html(s) for s in best))
+    if worst:
+        parts.append("<h3>Worst</h3>" + "".join(_sample_html(s) for s in worst))
+    return "".join(parts)
+
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; } th, td { padding: 0.25em 0.8em; text-align: left; }
+tr:nth-child(even) { background: #f6f6f6; } td { font-variant-numeric: tabular-nums; }
+.step { color: #888; font-size: 0.9em; } .notes { color: #a15c00; }
+.charts img { max-width: 100%; margin: 0.5em 0; border: 1px solid #eee; }
+.sample { border: 1px solid #ddd; border-radius: 4px; padding: 0.5em 0.8em; margin: 0.8em 0; }
+.facts { color: #555; margin: 0; } .error { color: #b00020; } .label { color: #888; font-size: 0.85em; }
+pre { background: #f6f6f6; padding: 0.5em; white-space: pre-wrap; word-break: break-word; margin: 0.2em 0 0.5em; }
+"""
+
+
+def render_html(data: RunData, charts: Sequence[tuple[str, str]]) -> str:
+    """The page: title and steps, notes, summary, final evaluation, charts, sample
+    rollouts, config. Every text from the run is HTML-escaped."""
+    notes = "".join(f"<li>{_e(n)}</li>" for n in data.notes)
+    images = "".join(f"<figure><img src=\"{_e(f)}\" alt=\"{_e(c)}\"></figure>" for f, c in charts)
+    config = f"<h2>Config</h2><pre class=\"config\">{_e(data.config_text)}</pre>" if data.config_text else ""
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{_e(data.name)} – rltune report</title><style>{CSS}</style></head><body>"
+        f"<h1>{_e(data.name)}</h1>{_steps_line(data)}"
+        + (f"<ul class=\"notes\">{notes}</ul>" if notes else "")
+        + f"<h2>Summary</h2>{_summary_table(data)}{_eval_table(data)}"
+        + (f"<h2>Charts</h2><div class=\"charts\">{images}</div>" if images else "")
+        + f"{_samples_section(data)}{config}</body></html>\n"
+    )
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the report of ``run_dir`` into ``out_dir`` (default ``run_dir/report``):
+    the charts as PNG files and ``index.html``. Returns the path of ``index.html``.
+    A missing run directory or ``metrics.jsonl``, or a bad line before the last one, is
+    a :class:`ReportError` naming the file (and line)."""
+    data = load_run(Path(run_dir))
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"report directory {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    charts = write_charts(data, out)
+    index = out / "index.html"
+    index.write_text(render_html(data, charts), encoding="utf-8")
+    return index
