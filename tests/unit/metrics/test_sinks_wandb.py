@@ -1,100 +1,20 @@
 """WandbSink in offline mode: the run's ``.wandb`` file is read back record by record with
-W&B's own protobuf ``Record``.
-
-The file is a LevelDB-style log, as W&B writes it: a 7-byte header (``:W&B``, magic
-0xBEE1, version 0), then 32 KiB blocks of chunks, each ``crc32 (4 bytes LE) | length
-(2 bytes LE) | type (1 byte: 1 full, 2 first, 3 middle, 4 last)`` and its data, the crc
-taken over the type byte and the data; a block's tail shorter than a chunk header is
-zero padding."""
+W&B's own protobuf ``Record`` (``wandb_file.py``)."""
 
 from __future__ import annotations
 
-import json
-import struct
 import sys
-import zlib
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("wandb")
 
-from wandb.proto import wandb_internal_pb2
+from wandb_file import config, history, read_records, run_files  # noqa: E402
 
 from rltune.metrics.sinks import Sink
 from rltune.metrics.wandb import RUN_ID_FILE, WandbSink
 
 NAN, INF = float("nan"), float("inf")
-BLOCK = 32768
-HEADER = 7
-
-
-def chunks_data(path: Path) -> list[bytes]:
-    """The records' bytes in the order they were written, crc checked."""
-    data = path.read_bytes()
-    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0)
-    records, pending, pos = [], b"", HEADER
-    while pos < len(data):
-        left = BLOCK - pos % BLOCK
-        if left < HEADER:
-            pos += left
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
-        if (crc, length, kind) == (0, 0, 0):  # padding up to the block's end
-            pos += left
-            continue
-        chunk = data[pos + HEADER : pos + HEADER + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"bad crc at byte {pos} of {path}"
-        pos += HEADER + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            records.append(pending)
-    return records
-
-
-def read_records(path: Path) -> list[Any]:
-    out = []
-    for raw in chunks_data(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        out.append(record)
-    return out
-
-
-def _items(updates: Any) -> dict[str, Any]:
-    return {"/".join(u.nested_key) if u.nested_key else u.key: json.loads(u.value_json) for u in updates}
-
-
-def history(records: list[Any]) -> list[dict[str, Any]]:
-    """The history rows, without W&B's own ``_timestamp`` and ``_runtime``."""
-    rows = []
-    for r in records:
-        if r.WhichOneof("record_type") == "history":
-            row = _items(r.history.item)
-            rows.append({k: v for k, v in row.items() if k not in ("_timestamp", "_runtime")})
-    return rows
-
-
-def config(records: list[Any]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for r in records:
-        kind = r.WhichOneof("record_type")
-        if kind in ("run", "config"):
-            merged.update(_items((r.run.config if kind == "run" else r.config).update))
-    merged.pop("_wandb", None)
-    return merged
-
-
-def run_files(run_dir: Path, run_id: str) -> list[Path]:
-    """The ``.wandb`` files of ``run_id`` in the order the runs started."""
-    paths = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb"))
-
-    def started(path: Path) -> tuple[int, int]:
-        run = next(r.run for r in read_records(path) if r.WhichOneof("record_type") == "run")
-        return run.start_time.seconds, run.start_time.nanos
-
-    return sorted(paths, key=started)
 
 
 def test_offline_run_holds_history_histograms_and_config(tmp_path, capfd):
