@@ -261,7 +261,8 @@ def _chart_throughput(data: RunData, path: Path) -> bool:
     return True
 
 
-TIME_PARTS = (("time/generate", "generate"), ("time/score", "score"), ("time/learn", "learn"), ("time/sync", "sync"))
+TIME_PARTS = (("time/generate", "generate"), ("time/score", "score"), ("time/experience", "experience"),
+              ("time/learn", "learn"), ("time/sync", "sync"))
 
 
 def _chart_time(data: RunData, path: Path) -> bool:

@@ -1,5 +1,6 @@
 """A real training run with every sink on: TensorBoard's event reader, MLflow's client and
-the W&B offline file all hold what metrics.jsonl holds, step for step."""
+the W&B offline file all hold what metrics.jsonl holds, step for step; the report of the
+run; the dashboard's refusals from the command line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import math
 from pathlib import Path
 
 import pytest
+from cli_check import fails
 
+from rltune.cli import main
+from rltune.metrics.report import fmt
 from rltune.runtime.local import run_local
 
 pytest.importorskip("tensorboard")
@@ -79,3 +83,23 @@ def test_wandb_offline_file_holds_the_steps(run_dir: Path) -> None:
         for name in CHECKED:
             assert math.isclose(row[name], want[step][name], rel_tol=1e-6), (step, name)
     assert reader.config(reader.read_records(path))["algo"]["name"] == "grpo"
+
+
+def test_report_of_the_finished_run(run_dir: Path, capsys) -> None:
+    assert main(["report", str(run_dir)]) == 0
+    index = run_dir / "report" / "index.html"
+    assert f"report written to {index}" in capsys.readouterr().err.replace("\n", "")
+    html = index.read_text()
+    last = _jsonl(run_dir)[STEPS]
+    assert "<th>reward/mean</th><td>" in html and f"<td>{fmt(last['reward/mean'])} <span" in html
+    for chart in ("reward", "grad_norm", "entropy", "length", "throughput", "time"):
+        png = index.parent / f"{chart}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart
+        assert f'src="{chart}.png"' in html
+
+
+def test_dashboard_refuses_other_addresses_without_a_token(capsys, monkeypatch, run_dir: Path) -> None:
+    monkeypatch.delenv("RLTUNE_DASHBOARD_TOKEN", raising=False)
+    message = fails(capsys, ["dashboard", str(run_dir), "--host", "0.0.0.0", "--port", "0"])
+    assert "needs --token or RLTUNE_DASHBOARD_TOKEN" in message.replace("\n", "")
+    assert "does not exist" in fails(capsys, ["dashboard", str(run_dir / "nope")])
