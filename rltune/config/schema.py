@@ -313,6 +313,10 @@ class RuntimeConfig(_Section):
     call's worker is killed; ``thread`` for rewards that wait (HTTP, the code sandbox)."""
     reward_cache_size: int = Field(100_000, ge=0)
     """Values of identical calls kept across steps (0: no cache)."""
+    max_staleness: int = Field(0, ge=0)
+    """0: generate, score and learn in turn, always on the newest policy. k > 0: generate
+    and score up to k steps ahead of the learner, on a copy of the weights up to k
+    versions old (needs ``algo.importance_correction``); see ``rltune/runtime/rollouts.py``."""
 
 
 class Config(_Section):
@@ -346,6 +350,15 @@ class Config(_Section):
             )
         if name in GROUP_BASELINE_ALGOS and self.algo.group_size < 2:
             raise ValueError(f"algo.group_size must be >= 2 for {name} (the group is the baseline)")
+        if self.runtime.max_staleness > 0:
+            if name not in ONLINE_ALGOS:
+                raise ValueError(f"runtime.max_staleness is for algorithms that generate; {name} does not")
+            if self.algo.importance_correction == "none":
+                raise ValueError(
+                    "runtime.max_staleness > 0 learns on samples of older policies; set "
+                    "algo.importance_correction to token-truncate or seq-mask so the loss "
+                    "weighs them by the engine's log-probs"
+                )
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name {self.name!r} must be a plain directory name")
         return self

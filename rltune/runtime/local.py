@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import random
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from rltune.envs.loading import load_env_factory
 from rltune.envs.tool_format import turn_glue
 from rltune.rollout.hf import HFGenerator, eos_ids
 from rltune.runtime.kl import KLCoefficient
-from rltune.runtime.loop import Run, train
+from rltune.runtime.loop import Run, rollouts_ahead, train
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, load_preference_model
 
 
@@ -117,6 +118,11 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
         run.critic = _build_critic(cfg, model_dir, updates)
     if cfg.algo.kl_in_reward:
         run.kl = KLCoefficient(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+    if cfg.runtime.max_staleness > 0:
+        # the producer generates on its own copy while the learner updates the original
+        run.generator = _generator(cfg, copy.deepcopy(model).eval(), tokenizer, rng, make_env)
+        run.shared_weights = False
+        run.rollouts = rollouts_ahead(run, cfg.runtime.max_staleness)
     return run
 
 

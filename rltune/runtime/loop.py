@@ -24,6 +24,7 @@ from rltune.metrics.types import Aggregator, Last, Max, Metric, MetricLike, Sum
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.evaluate import evaluate
 from rltune.runtime.experience import make_experience, rewards_tensor, rollout_metrics
+from rltune.runtime.rollouts import AsyncRollouts
 from rltune.runtime.sinks import MetricSinks, open_sinks
 from rltune.runtime.state import restore, save
 
@@ -77,6 +78,9 @@ class Run:
     (preference methods); None evaluates by generating and scoring ``eval_prompts``."""
     state: Any = None
     """What a checkpoint restores besides the model: see ``runtime/state.py``."""
+    rollouts: Any = None
+    """With ``runtime.max_staleness > 0``: the producer generating ahead of the learner
+    (:class:`rltune.runtime.rollouts.AsyncRollouts`); None generates in turn."""
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
@@ -90,6 +94,21 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
     resume_after = run.step if resumed else None
     samples_log = JsonlWriter(run.run_dir / "samples.jsonl", resume_after_step=resume_after)
     metrics_log = open_sinks(cfg, run.run_dir, resume_after_step=resume_after)
+    try:
+        ran = _train_steps(run, stop_after, metrics_log, samples_log)
+    finally:
+        if run.rollouts is not None:
+            run.rollouts.close()
+        samples_log.close()
+    if ran and not (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0):
+        save(run)
+    return run.history
+
+
+def _train_steps(run: Run, stop_after: int | None, metrics_log: MetricSinks, samples_log: JsonlWriter) -> bool:
+    """The steps of :func:`train`, with the evaluations before and after; returns whether
+    any step ran."""
+    cfg = run.cfg
     with metrics_log, ConsoleProgress(cfg.train.steps, start=run.step, enabled=cfg.log.console) as bar:
         for warning in run.data_warnings:
             bar.print(warning)
@@ -109,10 +128,7 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
         ran = bool(run.history)  # a run resumed from its final checkpoint has nothing left to do
         if ran and run.eval_prompts and run.step == cfg.train.steps:
             _log_eval(run, bar, metrics_log)
-    if ran and not (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0):
-        save(run)
-    samples_log.close()
-    return run.history
+    return ran
 
 
 def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
@@ -120,11 +136,17 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
     online), learn on it, publish the new weights. Returns the step's metrics, typed."""
     cfg = run.cfg
     clock = _Clock()
-    prompts = _draw(run, cfg.train.prompts_per_step)
     metrics = Aggregator()
     generated_tokens = 0
+    if run.rollouts is not None:
+        prompts, rollouts, produced, waited = run.rollouts.take(run.learner.version)
+        metrics.add(produced)
+        clock.mark("wait")
+    elif run.algorithm.online:
+        prompts, rollouts = collect_rollouts(run, _draw(run, cfg.train.prompts_per_step), clock, metrics)
+    else:
+        prompts = _draw(run, cfg.train.prompts_per_step)
     if run.algorithm.online:
-        prompts, rollouts = collect_rollouts(run, prompts, clock, metrics)
         batch, made = make_experience(run, rollouts)
         metrics.add(made)
         clock.mark("experience")
@@ -137,12 +159,17 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
         batch = run.collate(prompts)
     metrics.add(learn(run, batch))
     clock.mark("learn")
-    if run.generator is not None:
+    if run.rollouts is not None:
+        run.rollouts.publish(run.learner.version, run.learner.export_weights())
+        clock.mark("sync")
+    elif run.generator is not None:
         run.generator.load_weights(
             run.learner.version, None if run.shared_weights else run.learner.export_weights()
         )
         clock.mark("sync")
     times = clock.metrics()
+    if run.rollouts is not None:  # the producer's own generate/score times are in metrics
+        metrics.add({"async/learner_idle_frac": waited / times["time/step"]})
     metrics.add(times)
     step_s = times["time/step"]
     metrics.add({
@@ -163,12 +190,28 @@ def staleness_metrics(rollouts: list[Rollout], learner_version: int) -> dict[str
     return {"staleness/mean": sum(lags) / len(lags), "staleness/max": Max(float(max(lags)))}
 
 
+def rollouts_ahead(run: Run, max_staleness: int) -> AsyncRollouts:
+    """A producer generating and scoring the batches of the next steps while the learner
+    learns (``runtime.max_staleness``); the generator must hold its own weights."""
+    if run.shared_weights:
+        raise ValueError("rollouts ahead of the learner need a generator with its own weights")
+    ahead = AsyncRollouts(
+        max_staleness=max_staleness, prompts_per_step=run.cfg.train.prompts_per_step,
+        draw=lambda n: _draw(run, n), sampler_state=run.sampler.state_dict,
+        collect=lambda prompts, metrics, clock: collect_rollouts(
+            run, prompts, clock, metrics, draw=ahead.draw_locked),
+        load_weights=run.generator.load_weights, clock=_Clock, version=run.learner.version,
+    )
+    return ahead
+
+
 def _draw(run: Run, n: int) -> list[Prompt]:
     return [run.train_prompts[i] for i in run.sampler.next_batch(n)]
 
 
 def collect_rollouts(
-    run: Run, prompts: list[Prompt], clock: "_Clock", metrics: Aggregator
+    run: Run, prompts: list[Prompt], clock: "_Clock", metrics: Aggregator,
+    draw: Any = None,
 ) -> tuple[list[Prompt], list[Rollout]]:
     """Generate and score ``group_size`` samples per prompt.
 
@@ -176,7 +219,8 @@ def collect_rollouts(
     signal and are dropped; more prompts are drawn and generated, up to
     ``algo.max_refill_rounds`` extra rounds, until ``train.prompts_per_step`` groups are
     kept (the surplus of the last round is dropped too). The step then learns on the
-    groups it has, which may be fewer.
+    groups it has, which may be fewer. ``draw(n)`` draws the refill prompts (default: the
+    run's sampler).
     """
     cfg = run.cfg
     params = SamplingParams(
@@ -192,7 +236,7 @@ def collect_rollouts(
     kept_prompts, kept = _groups_with_signal(prompts, rollouts, group)
     while len(kept_prompts) < wanted and rounds < cfg.algo.max_refill_rounds:
         rounds += 1
-        more = _draw(run, wanted - len(kept_prompts))
+        more = draw(wanted - len(kept_prompts)) if draw is not None else _draw(run, wanted - len(kept_prompts))
         new = _generate_and_score(run, more, params, clock, metrics, group_offset=drawn)
         drawn += len(more)
         more_prompts, more_rollouts = _groups_with_signal(more, new, group)
@@ -265,6 +309,14 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
 
 
 def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
+    if run.rollouts is None:
+        return _evaluate(run, bar)
+    with run.rollouts.paused():  # the producer's generator, with the learner's newest weights
+        run.rollouts.load_latest()
+        return _evaluate(run, bar)
+
+
+def _evaluate(run: Run, bar: ConsoleProgress) -> dict[str, float]:
     cfg = run.cfg
     if run.evaluate_model is not None:
         metrics = run.evaluate_model(run.learner.model)

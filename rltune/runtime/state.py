@@ -30,7 +30,10 @@ def save(run: "Run") -> Path:
     rng_tensors, rng_meta = rng_to_state(run.state.generators)
     tensors, meta = _learner_state(run.learner, "")
     tensors["rng"] = rng_tensors
-    meta.update({"step": run.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.sampler.state_dict()})
+    # with rollouts ahead of the learner: the sampler before the oldest batch not yet
+    # learned, so a resumed run generates those prompts again (each once)
+    sampler = run.rollouts.sampler_state() if run.rollouts is not None else run.sampler.state_dict()
+    meta.update({"step": run.step, "name": run.cfg.name, "rng": rng_meta, "sampler": sampler})
     if run.critic is not None:
         critic_tensors, critic_meta = _learner_state(run.critic, "critic_")
         tensors.update(critic_tensors)

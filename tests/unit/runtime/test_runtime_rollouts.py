@@ -1,0 +1,145 @@
+"""The producer that generates ahead of the learner, driven by stand-ins for the sampler
+and the generator: the queue bound, one policy version per batch, stale batches dropped
+and counted, the sampler state a checkpoint records, pausing, and failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rltune.data.records import Prompt, Rollout
+from rltune.metrics.types import Sum
+from rltune.runtime.rollouts import AsyncRollouts
+
+
+class Clock:
+    def metrics(self) -> dict[str, float]:
+        return {"time/generate": 0.01, "time/score": 0.0}
+
+
+class Fake:
+    """A sampler over prompt ids 0, 1, 2, ... and a generator that tags every rollout
+    with the version of the weights it holds."""
+
+    def __init__(self, *, gate: threading.Event | None = None, fail_at: int | None = None) -> None:
+        self.next_id = 0
+        self.version = 0
+        self.loads: list[int] = []
+        self.batches = 0
+        self.gate = gate
+        self.fail_at = fail_at
+
+    def draw(self, n: int) -> list[Prompt]:
+        ids = range(self.next_id, self.next_id + n)
+        self.next_id += n
+        return [Prompt(id=str(i), text=str(i)) for i in ids]
+
+    def state(self) -> dict:
+        return {"next": self.next_id}
+
+    def collect(self, prompts, metrics, clock):
+        self.batches += 1
+        if self.fail_at == self.batches:
+            raise OSError("generator lost its device")
+        if self.gate is not None:
+            self.gate.wait(5)
+        metrics.add({"perf/calls": Sum(len(prompts))})
+        rollouts = [Rollout(prompt_id=p.id, group=0, prompt_ids=[1], completion_ids=[2], text="x",
+                            completion_logprobs=None, loss_mask=None,
+                            finish_reason="stop", policy_version=self.version) for p in prompts]
+        return prompts, rollouts
+
+    def load(self, version: int, tensors) -> None:
+        self.loads.append(version)
+        self.version = version
+
+
+def make(fake: Fake, k: int) -> AsyncRollouts:
+    return AsyncRollouts(max_staleness=k, prompts_per_step=2, draw=fake.draw, sampler_state=fake.state,
+                         collect=fake.collect, load_weights=fake.load, clock=Clock)
+
+
+def wait_until(cond, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_producer_runs_at_most_k_batches_ahead() -> None:
+    fake = Fake()
+    ahead = make(fake, 2)
+    prompts, rollouts, metrics, _ = ahead.take(0)
+    assert [p.id for p in prompts] == ["0", "1"] and rollouts[0].policy_version == 0
+    wait_until(lambda: len(ahead._queue) == 2)
+    time.sleep(0.05)
+    assert len(ahead._queue) == 2 and fake.batches == 3  # full: it waits for room
+    assert metrics["perf/calls"] == Sum(2.0)
+    ahead.close()
+
+
+def test_new_weights_are_loaded_between_batches_and_the_version_is_recorded() -> None:
+    gate = threading.Event()
+    fake = Fake(gate=gate)
+    ahead = make(fake, 1)
+    ahead._start()
+    wait_until(lambda: fake.batches == 1)  # batch 1 is being generated with version 0
+    ahead.publish(1, {"w": 1})
+    gate.set()
+    _, first, *_ = ahead.take(1)
+    _, second, *_ = ahead.take(1)
+    assert [r.policy_version for r in first] == [0, 0]  # not switched mid-batch
+    assert [r.policy_version for r in second] == [1, 1] and fake.loads == [1]
+    ahead.close()
+
+
+def test_batches_older_than_the_bound_are_dropped_and_counted() -> None:
+    fake = Fake()
+    ahead = make(fake, 1)
+    ahead.take(0)
+    wait_until(lambda: len(ahead._queue) == 1)
+    ahead.publish(3, None)  # the learner made three updates in one step
+    prompts, rollouts, metrics, _ = ahead.take(3)
+    # the queued batch (version 0, three behind) is dropped; the next one has version 3
+    assert metrics["async/dropped_stale"] == Sum(2.0)
+    assert [p.id for p in prompts] == ["4", "5"] and {r.policy_version for r in rollouts} == {3}
+    ahead.close()
+
+
+def test_the_checkpointed_sampler_state_is_before_the_oldest_unlearned_batch() -> None:
+    gate = threading.Event()
+    fake = Fake(gate=gate)
+    ahead = make(fake, 2)
+    assert ahead.sampler_state() == {"next": 0}  # not started
+    gate.set()
+    ahead.take(0)  # learned prompts 0, 1
+    wait_until(lambda: len(ahead._queue) == 2)
+    assert fake.next_id == 6 and ahead.sampler_state() == {"next": 2}
+    ahead.take(0)
+    assert ahead.sampler_state() == {"next": 4}
+    ahead.close()
+
+
+def test_paused_holds_the_producer_between_batches() -> None:
+    fake = Fake()
+    ahead = make(fake, 3)
+    ahead.take(0)
+    with ahead.paused():
+        held = fake.batches
+        time.sleep(0.05)
+        assert fake.batches == held and not ahead._busy
+    wait_until(lambda: fake.batches > held)
+    ahead.close()
+
+
+def test_a_producer_failure_reaches_the_learner_with_its_cause() -> None:
+    ahead = make(Fake(fail_at=1), 1)
+    with pytest.raises(RuntimeError, match="rollout producer failed: OSError: generator lost its device"):
+        ahead.take(0)
+
+
+def test_zero_staleness_is_not_ahead() -> None:
+    with pytest.raises(ValueError, match="max_staleness must be >= 1"):
+        make(Fake(), 0)
