@@ -1,0 +1,77 @@
+"""Throughput of generating ahead of the learner: ``runtime.max_staleness`` 0 (generate,
+score and learn in turn) against 1 and 2 (the next batches are generated while the
+learner learns), same model, data and settings, on this machine's CPU.
+
+The settings make generation and learning take comparable time per step on the built-in
+tiny model (32 prompts x group 4, 8 new tokens). Each setting runs in its own process,
+``rltune train`` as a user would run it; the figure is samples per second over the steps
+after a warm-up (median step time, from metrics.jsonl), and the ratio to ``0``.
+
+    python benchmarks/async_staleness.py                 # 0, 1 and 2
+    python benchmarks/async_staleness.py --steps 40 --staleness 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WARMUP = 3
+REWARD = '''
+def digit_share(prompt, completion, **meta):
+    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+'''
+
+
+def run(staleness: int, steps: int, root: Path, threads: int) -> dict[str, float]:
+    (root / "r.py").write_text(REWARD)
+    (root / "c.yaml").write_text("name: bench\n")
+    overrides = [
+        "model.path=builtin:tiny", "algo.name=grpo", "algo.group_size=4",
+        "algo.importance_correction=token-truncate", f"runtime.max_staleness={staleness}",
+        "data.train=builtin:arith/train", f"reward.0.fn={root / 'r.py'}:digit_share",
+        "rollout.max_new_tokens=8", f"train.steps={steps}", "train.prompts_per_step=32",
+        "train.lr=1e-4", f"log.dir={root / 'runs'}", "log.console=false", "checkpoint.final=false",
+        f"train.threads={threads}",
+    ]
+    subprocess.run([sys.executable, "-m", "rltune.cli", "train", str(root / "c.yaml"), *overrides],
+                   check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (root / "runs" / "bench" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time/step" in r][WARMUP:]
+    step_s = statistics.median(r["time/step"] for r in rows)
+    return {
+        "samples_per_s": 32 * 4 / step_s,
+        "step_s": step_s,
+        "staleness": statistics.mean(r["staleness/mean"] for r in rows),
+        "learner_idle": statistics.mean(r.get("async/learner_idle_frac", 0.0) for r in rows),
+        "reward_last": statistics.mean(r["reward/mean"] for r in rows[-5:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (per process: generation and learning each get them)")
+    args = parser.parse_args()
+    results = {}
+    for k in args.staleness:
+        with tempfile.TemporaryDirectory() as tmp:
+            results[k] = run(k, args.steps, Path(tmp), args.threads)
+    base = results.get(0)
+    print(f"{'max_staleness':>13} {'samples/s':>10} {'s/step':>8} {'staleness':>9} {'learner idle':>12} "
+          f"{'reward (last 5)':>15} {'ratio':>6}")
+    for k, r in results.items():
+        ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+        print(f"{k:>13} {r['samples_per_s']:>10.1f} {r['step_s']:>8.3f} {r['staleness']:>9.2f} "
+              f"{r['learner_idle']:>12.2f} {r['reward_last']:>15.3f} {ratio:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
