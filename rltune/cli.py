@@ -1,9 +1,11 @@
-"""`rltune train FILE [key.sub=value ...]`, `rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`."""
+"""`rltune train FILE [key.sub=value ...]`, `rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`,
+`rltune dashboard [RUN_DIR ...]`, `rltune report RUN_DIR [--out DIR]`."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -19,12 +21,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.data.loaders import DataError
     from rltune.envs.loading import EnvLoadError
     from rltune.learner.learner import NonFiniteError
+    from rltune.metrics.dashboard import DashboardError
+    from rltune.metrics.report import ReportError
     from rltune.models.load import ModelLoadError
     from rltune.rewards.loading import RewardLoadError
+    from rltune.runtime.sinks import SinkError
 
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
-        ExportError, EnvLoadError,
+        ExportError, EnvLoadError, SinkError, DashboardError, ReportError,
     )
 
 
@@ -46,6 +51,23 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     _quiet_transformers()
     checkpoint = export_run(args.run_dir, args.out_dir, checkpoint=args.checkpoint)
     console.print(f"exported {checkpoint} to {args.out_dir}")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
+    from rltune.metrics.dashboard import serve
+
+    token = args.token or os.environ.get("RLTUNE_DASHBOARD_TOKEN") or None
+    serve(args.run_dirs or [Path("runs")], host=args.host, port=args.port, token=token,
+          log=lambda line: console.print(line, highlight=False))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from rltune.metrics.report import write_report
+
+    index = write_report(args.run_dir, args.out)
+    console.print(f"report written to {index}")
     return 0
 
 
@@ -99,6 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory to export (default: the run's newest complete one)",
     )
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser(
+        "dashboard",
+        help="serve a live dashboard of runs (charts, rollouts, config) on http://127.0.0.1:8765",
+    )
+    p.add_argument("run_dirs", type=Path, nargs="*",
+                   help="run directories, or folders of runs (default: runs)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs a token)")
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    p.add_argument("--token", default=None,
+                   help="require this token (default: $RLTUNE_DASHBOARD_TOKEN); needed off loopback")
+    p.set_defaults(fn=cmd_dashboard)
+    p = sub.add_parser("report", help="write a static HTML summary with PNG charts of a run")
+    p.add_argument("run_dir", type=Path, help="the run's directory (log.dir/NAME)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/report)")
+    p.set_defaults(fn=cmd_report)
     return parser
 
 
