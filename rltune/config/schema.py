@@ -304,8 +304,61 @@ class EvalConfig(_Section):
     """None uses ``rollout.max_new_tokens``."""
 
 
+class RoleResources(_Section):
+    """What one actor of a role reserves on a Ray cluster (logical resources)."""
+
+    cpus: float = Field(1.0, ge=0)
+    """CPUs reserved; the actor's torch uses this many threads (at least one)."""
+    gpus: float = Field(0.0, ge=0)
+    """GPUs reserved (fractions share a GPU); Ray sets the actor's CUDA_VISIBLE_DEVICES."""
+
+
+class PlacementConfig(_Section):
+    """How many actors of each role ``runtime.mode: ray`` starts, and what each reserves.
+    All of them are placed through one Ray placement group of one bundle per actor."""
+
+    generators: int = Field(1, ge=1)
+    """Generator actors; a step's prompts are split between them."""
+    scorers: int = Field(1, ge=1)
+    """Scorer actors; a step's rollouts are split between them."""
+    learners: int = Field(1, ge=1)
+    """Learner actors forming one torch.distributed group (gloo on CPU, NCCL on GPU)."""
+    learner_strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How the learner group holds the model: replicated (DDP) or sharded (FSDP2)."""
+    generator: RoleResources = RoleResources()
+    scorer: RoleResources = RoleResources()
+    learner: RoleResources = RoleResources()
+    colocate: bool = False
+    """Generator ``i`` shares learner ``i``'s bundle (needs generators <= learners): the
+    two reserve one bundle with both roles' resources, e.g. one GPU each pair. False: every
+    actor has a bundle of its own."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray's placement-group strategy for the bundles across nodes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlacementConfig":
+        if self.colocate and self.generators > self.learners:
+            raise ValueError(
+                f"runtime.placement.colocate puts each generator with a learner; generators "
+                f"({self.generators}) must be <= learners ({self.learners})"
+            )
+        return self
+
+
 class RuntimeConfig(_Section):
-    mode: Literal["local"] = "local"
+    mode: Literal["local", "ray"] = "local"
+    """``local``: everything in this process. ``ray``: generators, scorers and learners as
+    Ray actors placed by ``placement`` (needs the ``ray`` extra); the same loop drives both."""
+    ray_address: str | None = None
+    """The Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); None starts a
+    local one for the run, bound to 127.0.0.1, and stops it at the end."""
+    placement: PlacementConfig = PlacementConfig()
+    actor_restarts: int = Field(3, ge=0)
+    """How many times a dead generator or scorer actor is restarted (its in-flight prompts
+    reissued) before the run fails."""
+    learner_restarts: int = Field(1, ge=0)
+    """How many times a run whose learner died resumes from its newest checkpoint by
+    itself (``runtime.mode: ray``; needs ``checkpoint.every``)."""
     reward_workers: int = Field(4, ge=1)
     """Reward calls that run at once (threads or processes)."""
     reward_pool: Literal["thread", "process"] = "thread"
@@ -359,6 +412,11 @@ class Config(_Section):
                     "algo.importance_correction to token-truncate or seq-mask so the loss "
                     "weighs them by the engine's log-probs"
                 )
+        if self.runtime.mode == "ray" and name in ("dpo", "simpo", "reward_model"):
+            raise ValueError(
+                f"runtime.mode=ray runs algorithms whose learner needs only its batches; "
+                f"{name} evaluates its model in the driver: use runtime.mode=local"
+            )
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name {self.name!r} must be a plain directory name")
         return self

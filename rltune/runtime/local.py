@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -51,8 +52,21 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
-def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
-    """Load model, data and rewards for ``cfg`` and wire them into a :class:`Run`."""
+class Roles(Protocol):
+    """Where a run's generator, scorer and policy learner live when not in this process
+    (``runtime.mode: ray``: ``rltune.runtime.ray.run.RayRoles``). Everything else (data,
+    sampler, reference, critic, the loop) :func:`build_run` builds the same for every
+    runtime."""
+
+    def learner(self, cfg: Config, model_dir: str) -> Any: ...
+    def generator(self, cfg: Config, model_dir: str) -> Any: ...
+    def scorer(self, cfg: Config) -> Any: ...
+    def run_state(self, generators: dict[str, torch.Generator]) -> Any: ...
+
+
+def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | None = None) -> Run:
+    """Load model, data and rewards for ``cfg`` and wire them into a :class:`Run`: in this
+    process, or with the generator, scorer and learner that ``roles`` starts elsewhere."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     seed_everything(cfg.train.seed)
@@ -72,7 +86,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     else:
         train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not algorithm.online)
         eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
-        model = _policy(cfg, model_dir)
+        model = load_policy(cfg, model_dir) if roles is None else None
         train_prompts = train_set.prompts
         eval_prompts = eval_set.prompts if eval_set and (reward_fns or cfg.env.name) else None
         objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
@@ -80,33 +94,36 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
             f"data: skipped {part.skipped} bad rows of {part.source}; first: {part.skip_examples[0]}"
             for part in (train_set, eval_set) if part is not None and part.skipped
         ]
-    aux_coef = cfg.model.router_aux_loss_coef
-    if aux_coef is None:
-        aux_coef = router_aux_loss_coef(model)
     updates = cfg.algo.epochs * cfg.algo.minibatches
-    learner = LocalLearner(
-        model, objective, cfg.train,
-        temperature=cfg.rollout.temperature if algorithm.online else 1.0,
-        aux_loss_coef=aux_coef, updates_per_step=updates,
-    )
     rng = torch.Generator().manual_seed(cfg.train.seed)
     minibatch_rng = torch.Generator().manual_seed(cfg.train.seed + 1)
+    generators = {"sampling": rng, "minibatch": minibatch_rng}
+    if roles is None:
+        learner = LocalLearner(model, objective, cfg.train, **learner_options(cfg, algorithm, model))
+        # preference runs are judged without generating (a reward model cannot)
+        generator = None if cfg.algo.name in PREFERENCE_METHODS else make_generator(cfg, model, tokenizer, rng, make_env)
+        scorer, state = _scorer(cfg, reward_fns), LocalState(generators=generators)
+    else:
+        del generators["sampling"]  # each generator actor samples with its own stream
+        learner = roles.learner(cfg, model_dir)
+        generator = roles.generator(cfg, model_dir) if algorithm.online else None
+        scorer = roles.scorer(cfg) if reward_fns or cfg.env.name else None
+        state = roles.run_state(generators)
     save_resolved_config(cfg, run_dir)
     run = Run(
         cfg=cfg,
         algorithm=algorithm,
         run_dir=run_dir,
-        # preference runs are judged without generating (a reward model cannot)
-        generator=None if cfg.algo.name in PREFERENCE_METHODS else _generator(cfg, model, tokenizer, rng, make_env),
-        scorer=_scorer(cfg, reward_fns),
+        generator=generator,
+        scorer=scorer,
         learner=learner,
         sampler=PromptSampler(len(train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle),
         train_prompts=train_prompts,
         eval_prompts=eval_prompts,
         pad_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
-        shared_weights=True,
-        state=LocalState(generators={"sampling": rng, "minibatch": minibatch_rng}),
+        shared_weights=roles is None,
+        state=state,
         collate=None if algorithm.online else partial(collate_sft, pad_id=tokenizer.pad_token_id),
         data_warnings=warnings,
     )
@@ -119,11 +136,23 @@ def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     if cfg.algo.kl_in_reward:
         run.kl = KLCoefficient(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
     if cfg.runtime.max_staleness > 0:
-        # the producer generates on its own copy while the learner updates the original
-        run.generator = _generator(cfg, copy.deepcopy(model).eval(), tokenizer, rng, make_env)
-        run.shared_weights = False
+        if run.shared_weights:
+            # the producer generates on its own copy while the learner updates the original
+            run.generator = make_generator(cfg, copy.deepcopy(model).eval(), tokenizer, rng, make_env)
+            run.shared_weights = False
         run.rollouts = rollouts_ahead(run, cfg.runtime.max_staleness)
     return run
+
+
+def learner_options(cfg: Config, algorithm: Algorithm, model: torch.nn.Module) -> dict:
+    """The policy learner's keyword arguments besides model, objective and ``cfg.train``
+    (shared by every runtime that builds one)."""
+    aux_coef = cfg.model.router_aux_loss_coef
+    return {
+        "temperature": cfg.rollout.temperature if algorithm.online else 1.0,
+        "aux_loss_coef": router_aux_loss_coef(model) if aux_coef is None else aux_coef,
+        "updates_per_step": cfg.algo.epochs * cfg.algo.minibatches,
+    }
 
 
 def lookup_algorithm(name: str) -> Algorithm:
@@ -135,7 +164,7 @@ def lookup_algorithm(name: str) -> Algorithm:
     raise ConfigError(f"algo.name: unknown algorithm {name!r}{hint}; known: {', '.join(ALGORITHMS)}")
 
 
-def _policy(cfg: Config, model_dir: str) -> torch.nn.Module:
+def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
 
@@ -166,13 +195,13 @@ def _build_critic(cfg: Config, model_dir: str, updates: int) -> LocalLearner:
     return LocalLearner(critic, value_objective(cfg.algo), cfg.train.model_copy(update={"lr": lr}), updates_per_step=updates)
 
 
-def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module):
+def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module | None):
     """``(TrainBatch) -> [B, C]`` log-probs under the frozen reference: the initial policy.
 
     With LoRA the reference is the policy's own module with its adapters switched off (no
     second copy in memory); otherwise a second, frozen copy of ``model_dir``."""
     kwargs = dict(field="logprobs", budget=cfg.train.micro_batch_tokens, temperature=cfg.rollout.temperature)
-    if is_lora(policy):
+    if policy is not None and is_lora(policy):
 
         def logprobs(batch):
             training = policy.training
@@ -187,7 +216,7 @@ def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module):
     return partial(predict, reference, logprobs_only, **kwargs)
 
 
-def _generator(cfg: Config, model, tokenizer, rng: torch.Generator, make_env):
+def make_generator(cfg: Config, model, tokenizer, rng: torch.Generator, make_env):
     """The model's sampler; with an environment, episodes of it played by the sampler."""
     sampler = HFGenerator(model, tokenizer, rng=rng)
     if make_env is None:

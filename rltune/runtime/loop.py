@@ -167,6 +167,11 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
             run.learner.version, None if run.shared_weights else run.learner.export_weights()
         )
         clock.mark("sync")
+    for part in (run.generator, run.scorer, run.learner):
+        # runtimes whose parts can fail and be replaced report it here (restarts, sync time)
+        extra = getattr(part, "step_metrics", None)
+        if extra is not None:
+            metrics.add(extra())
     times = clock.metrics()
     if run.rollouts is not None:  # the producer's own generate/score times are in metrics
         metrics.add({"async/learner_idle_frac": waited / times["time/step"]})

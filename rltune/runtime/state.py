@@ -44,6 +44,13 @@ def save(run: "Run") -> Path:
 
 
 def _learner_state(learner, prefix: str) -> tuple[dict, dict]:
+    """A learner's checkpoint part: its own ``checkpoint_state(prefix)`` when it has one (a
+    learner whose model lives in other processes), else :func:`learner_state`."""
+    own = getattr(learner, "checkpoint_state", None)
+    return own(prefix) if own is not None else learner_state(learner, prefix)
+
+
+def learner_state(learner, prefix: str) -> tuple[dict, dict]:
     """A learner's model, optimizer, schedule and counters, keys prefixed by ``prefix``."""
     opt_tensors, opt_meta = optimizer_to_state(learner.optimizer)
     model_tensors, model_meta = model_to_state(learner.model)
@@ -91,6 +98,9 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     if run.kl is not None:
         run.kl.coef = float(meta["kl_coef"])
     rng_from_state(tensors["rng"], meta["rng"], run.state.generators)
+    restored = getattr(run.state, "restored", None)
+    if restored is not None:  # streams that live in other processes take their states back
+        restored()
     try:
         run.sampler.load_state_dict(meta["sampler"])
     except ValueError as err:  # another seed or dataset: the user's to fix, shown without a traceback
@@ -101,6 +111,15 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
 
 
 def _apply_learner(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+    own = getattr(learner, "load_checkpoint_state", None)
+    if own is not None:
+        own(tensors, meta, path, prefix)
+    else:
+        apply_learner_state(learner, tensors, meta, path, prefix)
+
+
+def apply_learner_state(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+    """Load what :func:`learner_state` wrote into ``learner``."""
     model_from_state(learner.model, tensors[f"{prefix}model"], meta[f"{prefix}model"], where=f"{path} ({prefix}model)")
     optimizer_from_state(learner.optimizer, tensors[f"{prefix}optimizer"], meta[f"{prefix}optimizer"])
     scheduler_from_state(learner.schedule, meta[f"{prefix}scheduler"])

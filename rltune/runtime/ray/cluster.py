@@ -1,0 +1,135 @@
+"""Starting or joining Ray, and placing the run's actors from ``runtime.placement``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rltune.config.schema import PlacementConfig, RoleResources, RuntimeConfig
+
+ROLES = ("learner", "generator", "scorer")
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+class RayRuntimeError(RuntimeError):
+    """The cluster cannot run the run as configured (shown to the user without a traceback)."""
+
+
+def connect(runtime: RuntimeConfig) -> bool:
+    """Join ``runtime.ray_address``, or start a local Ray bound to 127.0.0.1 with enough
+    logical CPUs for the placement. Returns whether this call started Ray (and so should
+    stop it). A Ray already initialised in this process is used as it is."""
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    if runtime.ray_address is not None:
+        try:
+            ray.init(address=runtime.ray_address, runtime_env=env, log_to_driver=True)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise RayRuntimeError(f"runtime.ray_address={runtime.ray_address!r}: cannot join the cluster: {err}") from None
+        return False
+    need = total(runtime.placement)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, int(-(-need["CPU"] // 1))),
+        num_gpus=int(-(-need["GPU"] // 1)) or None,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=True,
+    )
+    return True
+
+
+def total(placement: PlacementConfig) -> dict[str, float]:
+    """The logical CPUs and GPUs the placement reserves in all."""
+    bundles = bundle_specs(placement)[0]
+    return {
+        "CPU": sum(b.get("CPU", 0.0) for b in bundles),
+        "GPU": sum(b.get("GPU", 0.0) for b in bundles),
+    }
+
+
+def _resources(r: RoleResources) -> dict[str, float]:
+    out = {"CPU": float(r.cpus)}
+    if r.gpus:
+        out["GPU"] = float(r.gpus)
+    return out
+
+
+def bundle_specs(placement: PlacementConfig) -> tuple[list[dict[str, float]], dict[str, list[int]]]:
+    """The placement group's bundles, and for each role the bundle index of each of its
+    actors. Learners come first; with ``colocate`` generator ``i`` shares learner ``i``'s
+    bundle (which then holds both roles' resources)."""
+    bundles: list[dict[str, float]] = []
+    index: dict[str, list[int]] = {role: [] for role in ROLES}
+    for _ in range(placement.learners):
+        index["learner"].append(len(bundles))
+        bundles.append(_resources(placement.learner))
+    for i in range(placement.generators):
+        gen = _resources(placement.generator)
+        if placement.colocate:
+            shared = bundles[index["learner"][i]]
+            for key, value in gen.items():
+                shared[key] = shared.get(key, 0.0) + value
+            index["generator"].append(index["learner"][i])
+        else:
+            index["generator"].append(len(bundles))
+            bundles.append(gen)
+    for _ in range(placement.scorers):
+        index["scorer"].append(len(bundles))
+        bundles.append(_resources(placement.scorer))
+    return bundles, index
+
+
+@dataclass
+class Placement:
+    """The run's placement group and where each actor of each role goes."""
+
+    group: PlacementGroup
+    index: dict[str, list[int]]
+    placement: PlacementConfig
+
+    def options(self, role: str, i: int) -> dict[str, Any]:
+        """``ActorClass.options(**...)`` for actor ``i`` of ``role``: its bundle and its
+        share of the bundle's resources."""
+        r: RoleResources = getattr(self.placement, role)
+        opts: dict[str, Any] = {
+            "num_cpus": r.cpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=self.index[role][i]
+            ),
+        }
+        if r.gpus:
+            opts["num_gpus"] = r.gpus
+        return opts
+
+    def threads(self, role: str) -> int:
+        """Torch threads for an actor of ``role``: its CPUs, at least one."""
+        return max(1, int(getattr(self.placement, role).cpus))
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def place(placement: PlacementConfig, *, name: str = "") -> Placement:
+    """Reserve the bundles of ``placement``; a RayRuntimeError names what the cluster lacks
+    when they cannot be placed within PLACEMENT_TIMEOUT_S."""
+    bundles, index = bundle_specs(placement)
+    group = placement_group(bundles, strategy=placement.strategy, name=name)
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        have = ray.cluster_resources()
+        raise RayRuntimeError(
+            f"runtime.placement needs {total(placement)} in bundles {bundles} "
+            f"(strategy {placement.strategy}); the cluster has "
+            f"CPU={have.get('CPU', 0)}, GPU={have.get('GPU', 0)} and could not place them in "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s"
+        ) from None
+    return Placement(group, index, placement)

@@ -1,0 +1,346 @@
+"""Generator and scorer actors, and the driver-side pools that split a step's work
+between them and survive their deaths.
+
+A pool holds ``n`` actors of one role, each in its own placement-group bundle. A call
+splits its input into ``n`` contiguous shards, one per actor, and joins the results in
+shard order, so the output is ordered as one actor's would be. When an actor dies (its
+process killed, its node lost) the pool starts a replacement in the same bundle, brings
+it to the state the others have (the newest weights for a generator) and reissues the
+dead actor's shard to it. A shard's result is taken only from the call that finished, so
+every prompt of the step is generated and scored exactly once, whatever died on the way.
+After ``runtime.actor_restarts`` replacements of one role the run fails with the cause.
+
+Each replacement is recorded in ``RUN/faults.jsonl`` and counted in the step's
+``faults/generator_restarts`` / ``faults/scorer_restarts``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from rltune.config.schema import Config
+from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.rewards.scorer import ScoreStats
+from rltune.runtime.ray.cluster import Placement, RayRuntimeError
+
+CALL_TIMEOUT_S = 3600.0
+"""A call that neither returns nor fails within this is taken for a hung actor."""
+
+ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+# ------------------------------------------------------------------------------ the actors
+
+
+class GeneratorWorker:
+    """One generator actor: the policy (from ``model_dir``, LoRA as configured), the
+    tokenizer, the environment when there is one, and its own sampling stream."""
+
+    def __init__(self, cfg: Config, model_dir: str, config_dir: str | None, seed: int, threads: int) -> None:
+        from rltune.envs.loading import load_env_factory
+        from rltune.models.load import load_tokenizer
+        from rltune.runtime.local import load_policy, make_generator
+
+        torch.set_num_threads(threads)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        make_env = None
+        if cfg.env.name:
+            base = Path(config_dir) if config_dir else None
+            make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=base)
+        self.rng = torch.Generator().manual_seed(seed)
+        model = load_policy(cfg, model_dir).eval()
+        self.generator = make_generator(cfg, model, tokenizer, self.rng, make_env)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, group_offset: int) -> list[Rollout]:
+        return self.generator.generate(prompts, params, group_offset=group_offset)
+
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
+        self.generator.load_weights(version, tensors)
+        return version
+
+    def rng_state(self) -> torch.Tensor:
+        return self.rng.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.rng.set_state(state)
+
+
+class ScorerWorker:
+    """One scorer actor: the run's reward functions in a :class:`LocalScorer`."""
+
+    def __init__(self, cfg: Config, config_dir: str | None, threads: int) -> None:
+        from rltune.rewards.scorer import LocalScorer, build_reward_fns
+
+        torch.set_num_threads(threads)
+        r = cfg.runtime
+        self.scorer = LocalScorer(
+            build_reward_fns(cfg.reward, base_dir=config_dir),
+            max_workers=r.reward_workers, pool=r.reward_pool, cache_size=r.reward_cache_size,
+        )
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def accuracy_names(self) -> tuple[str, ...]:
+        return self.scorer.accuracy_names
+
+    def score(self, prompts: dict[str, Prompt], rollouts: list[Rollout]) -> tuple[list[tuple], ScoreStats]:
+        """The reward fields of each rollout (not the rollouts: their tensors need not
+        travel back), and the call's statistics."""
+        stats = self.scorer.score(prompts, rollouts)
+        return [(r.reward, r.rewards, r.reward_error, r.dropped) for r in rollouts], stats
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+# ------------------------------------------------------------------------------ the pools
+
+
+def shard_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, end)`` ranges covering ``range(n)``, sizes differing by
+    at most one, the larger first (empty ranges when ``n < parts``)."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class ActorPool:
+    """``size`` actors of ``role``; replaces a dead one (up to ``restarts`` times in all)
+    and reissues its call. ``prepare(i)`` brings a new actor ``i`` to the pool's state
+    before its reissued call (it only submits calls; the actor runs them in order)."""
+
+    def __init__(
+        self, role: str, cls: type, args: Callable[[int], tuple], placement: Placement, *,
+        restarts: int, faults_file: Path | None, prepare: Callable[[int], None] | None = None,
+    ) -> None:
+        self.role, self.placement = role, placement
+        self._remote = ray.remote(max_restarts=0, max_task_retries=0)(cls)
+        self._args = args
+        self.restarts_left = restarts
+        self.restarted = 0
+        """Replacements since the last :meth:`take_restarts`."""
+        self.faults_file = faults_file
+        self.prepare = prepare
+        self.actors = [self._start(i) for i in range(len(placement.index[role]))]
+        self.call_all("pid")  # wait until every actor is up, so start-up errors surface here
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def _start(self, i: int) -> Any:
+        return self._remote.options(**self.placement.options(self.role, i)).remote(*self._args(i))
+
+    def call(self, jobs: dict[int, tuple[str, tuple]]) -> dict[int, Any]:
+        """Run ``method(*args)`` on actor ``i`` for each ``i: (method, args)``, at once;
+        returns each result. A dead actor is replaced and its job reissued."""
+        pending = {self._submit(i, *job): i for i, job in jobs.items()}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RayRuntimeError(f"{self.role} actors {sorted(pending.values())} did not answer in {CALL_TIMEOUT_S:.0f} s")
+            ref = ready[0]
+            i = pending.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+            except ACTOR_DEATH as err:
+                self._replace(i, err)
+                pending[self._submit(i, *jobs[i])] = i
+            except ray.exceptions.RayTaskError as err:
+                # the actor lives but its code raised: the user's error, shown as it is
+                raise err.as_instanceof_cause() from None
+        return results
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        results = self.call({i: (method, args) for i in range(self.size)})
+        return [results[i] for i in range(self.size)]
+
+    def _submit(self, i: int, method: str, args: tuple) -> ray.ObjectRef:
+        return getattr(self.actors[i], method).remote(*args)
+
+    def _replace(self, i: int, err: Exception) -> None:
+        if self.restarts_left <= 0:
+            raise RayRuntimeError(
+                f"{self.role} actor {i} died and runtime.actor_restarts is used up: {_first_line(err)}"
+            ) from None
+        self.restarts_left -= 1
+        self.restarted += 1
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._start(i)
+        self._record(i, err)
+        if self.prepare is not None:
+            self.prepare(i)
+
+    def _record(self, i: int, err: Exception) -> None:
+        if self.faults_file is None:
+            return
+        self.faults_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.faults_file.open("a") as f:
+            f.write(json.dumps({
+                "time": time.time(), "role": self.role, "actor": i,
+                "event": "restarted", "error": _first_line(err),
+                "restarts_left": self.restarts_left,
+            }) + "\n")
+
+    def take_restarts(self) -> int:
+        n, self.restarted = self.restarted, 0
+        return n
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+class RayGenerator:
+    """The Generator protocol over a pool of :class:`GeneratorWorker` actors.
+
+    ``load_weights`` puts the weights into Ray's object store once (or takes a reference a
+    remote learner already put there) and every actor loads them from it; ``last_sync_s``
+    is how long that took. Actor ``i`` samples with seed ``train.seed + i`` (so one actor
+    samples as the local runtime does)."""
+
+    def __init__(self, cfg: Config, model_dir: str, config_dir: str | None, placement: Placement,
+                 faults_file: Path | None) -> None:
+        seed, threads = cfg.train.seed, placement.threads("generator")
+        self.version = 0
+        self._weights: Any = None
+        self.last_sync_s = 0.0
+        self.pool = ActorPool(
+            "generator", GeneratorWorker, lambda i: (cfg, model_dir, config_dir, seed + i, threads),
+            placement, restarts=cfg.runtime.actor_restarts, faults_file=faults_file, prepare=self._catch_up,
+        )
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, *, group_offset: int = 0) -> list[Rollout]:
+        bounds = shard_bounds(len(prompts), self.pool.size)
+        jobs = {
+            i: ("generate", (prompts[a:b], params, group_offset + a))
+            for i, (a, b) in enumerate(bounds) if b > a
+        }
+        done = self.pool.call(jobs)
+        return [r for i in sorted(done) for r in done[i]]
+
+    def load_weights(self, version: int, tensors: Any = None) -> None:
+        """Every actor loads ``tensors`` (a dict, or an object with ``.ref`` to one in the
+        object store) as policy ``version``."""
+        start = time.perf_counter()
+        if tensors is None:
+            raise ValueError("RayGenerator.load_weights needs the weights: its actors hold their own copies")
+        self._weights = getattr(tensors, "ref", None) or ray.put(tensors)
+        self.version = version
+        self.pool.call_all("load_weights", version, self._weights)
+        self.last_sync_s = time.perf_counter() - start
+
+    def _catch_up(self, i: int) -> None:
+        if self._weights is not None:
+            self.pool._submit(i, "load_weights", (self.version, self._weights))
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Actors replaced since the last call, and the last weight load's seconds."""
+        from rltune.metrics.types import Last, Sum
+
+        return {
+            "faults/generator_restarts": Sum(float(self.pool.take_restarts())),
+            "time/weight_load": Last(self.last_sync_s),
+        }
+
+    def rng_states(self) -> list[torch.Tensor]:
+        return self.pool.call_all("rng_state")
+
+    def set_rng_states(self, states: Sequence[torch.Tensor]) -> None:
+        self.pool.call({i: ("set_rng_state", (s,)) for i, s in enumerate(states)})
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class RayScorer:
+    """The Scorer protocol over a pool of :class:`ScorerWorker` actors: each scores a
+    contiguous share of the rollouts (whole groups when the share allows), the rewards are
+    written into the driver's rollouts and the statistics summed."""
+
+    def __init__(self, cfg: Config, config_dir: str | None, placement: Placement, faults_file: Path | None) -> None:
+        threads = placement.threads("scorer")
+        self.pool = ActorPool(
+            "scorer", ScorerWorker, lambda i: (cfg, config_dir, threads),
+            placement, restarts=cfg.runtime.actor_restarts, faults_file=faults_file,
+        )
+        self.accuracy_names = self.pool.call({0: ("accuracy_names", ())})[0]
+        self.names = [rf.name for rf in cfg.reward]
+
+    def score(self, prompts: dict[str, Prompt], rollouts: list[Rollout]) -> ScoreStats:
+        bounds = [(a, b) for a, b in shard_bounds(len(rollouts), self.pool.size) if b > a]
+        jobs = {}
+        for i, (a, b) in enumerate(bounds):
+            part = rollouts[a:b]
+            mine = {r.prompt_id: prompts[r.prompt_id] for r in part}
+            jobs[i] = ("score", (mine, part))
+        done = self.pool.call(jobs)
+        parts = []
+        for i, (a, b) in enumerate(bounds):
+            fields, stats = done[i]
+            for rollout, (reward, rewards, error, dropped) in zip(rollouts[a:b], fields):
+                rollout.reward, rollout.rewards, rollout.reward_error, rollout.dropped = reward, rewards, error, dropped
+            parts.append(stats)
+        return merge_stats(parts, rollouts)
+
+    def step_metrics(self) -> dict[str, Any]:
+        from rltune.metrics.types import Sum
+
+        return {"faults/scorer_restarts": Sum(float(self.pool.take_restarts()))}
+
+    def close(self) -> None:
+        try:
+            self.pool.call_all("close")
+        except (RayRuntimeError, *ACTOR_DEATH):
+            pass
+        self.pool.close()
+
+
+def merge_stats(parts: Sequence[ScoreStats], rollouts: Sequence[Rollout]) -> ScoreStats:
+    """One :class:`ScoreStats` for the shards' together: counts and seconds summed, each
+    function's mean over every value it gave (from the filled-in rollouts)."""
+    names = list(parts[0].per_fn_mean) if parts else []
+    per_fn_mean = {}
+    for name in names:
+        values = [r.rewards.get(name) for r in rollouts]
+        values = [v for v in values if v is not None]
+        per_fn_mean[name] = sum(values) / len(values) if values else math.nan
+
+    def total(attr: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for p in parts:
+            for k, v in getattr(p, attr).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    return ScoreStats(
+        errors=sum(p.errors for p in parts), per_fn_mean=per_fn_mean,
+        per_fn_errors=total("per_fn_errors"), seconds=total("seconds"), calls=total("calls"),
+        dropped=sum(p.dropped for p in parts), cache_hits=sum(p.cache_hits for p in parts),
+        timeouts=sum(p.timeouts for p in parts),
+    )
