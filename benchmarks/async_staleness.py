@@ -9,6 +9,11 @@ after a warm-up (median step time, from metrics.jsonl), and the ratio to ``0``.
 
     python benchmarks/async_staleness.py                 # 0, 1 and 2
     python benchmarks/async_staleness.py --steps 40 --staleness 0 1
+    python benchmarks/async_staleness.py --ray --staleness 0 1 --generators 1 2
+
+With ``--ray`` the runs use ``runtime.mode: ray`` (a local Ray, one learner actor and
+``--generators`` generator actors of one CPU each) and every combination of staleness and
+generator count is measured; the ratio is to staleness 0 with one generator.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ def digit_share(prompt, completion, **meta):
 '''
 
 
-def run(staleness: int, steps: int, root: Path, threads: int) -> dict[str, float]:
+def run(staleness: int, steps: int, root: Path, threads: int, generators: int | None = None) -> dict[str, float]:
     (root / "r.py").write_text(REWARD)
     (root / "c.yaml").write_text("name: bench\n")
     overrides = [
@@ -39,6 +44,8 @@ def run(staleness: int, steps: int, root: Path, threads: int) -> dict[str, float
         "train.lr=1e-4", f"log.dir={root / 'runs'}", "log.console=false", "checkpoint.final=false",
         f"train.threads={threads}",
     ]
+    if generators is not None:
+        overrides += ["runtime.mode=ray", f"runtime.placement.generators={generators}"]
     subprocess.run([sys.executable, "-m", "rltune.cli", "train", str(root / "c.yaml"), *overrides],
                    check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (root / "runs" / "bench" / "metrics.jsonl").read_text().splitlines()]
@@ -59,17 +66,21 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (per process: generation and learning each get them)")
+    parser.add_argument("--ray", action="store_true", help="runtime.mode=ray on a local Ray")
+    parser.add_argument("--generators", type=int, nargs="+", default=[1],
+                        help="generator actors (with --ray)")
     args = parser.parse_args()
+    settings = [(k, g if args.ray else None) for g in args.generators for k in args.staleness]
     results = {}
-    for k in args.staleness:
+    for k, g in settings:
         with tempfile.TemporaryDirectory() as tmp:
-            results[k] = run(k, args.steps, Path(tmp), args.threads)
-    base = results.get(0)
-    print(f"{'max_staleness':>13} {'samples/s':>10} {'s/step':>8} {'staleness':>9} {'learner idle':>12} "
-          f"{'reward (last 5)':>15} {'ratio':>6}")
-    for k, r in results.items():
+            results[(k, g)] = run(k, args.steps, Path(tmp), args.threads, g)
+    base = results.get((0, args.generators[0] if args.ray else None))
+    print(f"{'max_staleness':>13} {'generators':>10} {'samples/s':>10} {'s/step':>8} {'staleness':>9} "
+          f"{'learner idle':>12} {'reward (last 5)':>15} {'ratio':>6}")
+    for (k, g), r in results.items():
         ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
-        print(f"{k:>13} {r['samples_per_s']:>10.1f} {r['step_s']:>8.3f} {r['staleness']:>9.2f} "
+        print(f"{k:>13} {g or '-':>10} {r['samples_per_s']:>10.1f} {r['step_s']:>8.3f} {r['staleness']:>9.2f} "
               f"{r['learner_idle']:>12.2f} {r['reward_last']:>15.3f} {ratio:>6.2f}")
 
 

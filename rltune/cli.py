@@ -39,10 +39,33 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     cfg = load_config(args.config, args.overrides)
     _quiet_transformers()
-    run = run_local(cfg, config_dir=config_base_dir(args.config))
+    if cfg.runtime.mode == "ray":
+        run = _train_on_ray(cfg, config_base_dir(args.config), console)
+        if run is None:
+            return 2
+    else:
+        run = run_local(cfg, config_dir=config_base_dir(args.config))
     console.print(f"run directory: {run.run_dir}")
     _print_eval_summary(run, console)
     return 0
+
+
+def _train_on_ray(cfg, config_dir: Path, console: Console):
+    """``runtime.mode: ray``; None after telling the user what the cluster lacks."""
+    from rltune.config import ConfigError
+
+    try:
+        from rltune.runtime.ray.cluster import RayRuntimeError
+        from rltune.runtime.ray.run import run_ray
+    except ImportError as err:
+        raise ConfigError(
+            f"runtime.mode=ray needs Ray: pip install 'rltune[ray]' ({err})"
+        ) from None
+    try:
+        return run_ray(cfg, config_dir=config_dir)
+    except RayRuntimeError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return None
 
 
 def cmd_export(args: argparse.Namespace, console: Console) -> int:

@@ -1,0 +1,510 @@
+"""The learner group as Ray actors (``runtime.mode: ray``).
+
+``runtime.placement.learners`` actors (:class:`LearnerActor`), one per bundle of the run's
+placement group, form one torch.distributed group (gloo on CPU, NCCL when the actor
+reserved a GPU) and train one model with DDP or FSDP2
+(``runtime.placement.learner_strategy``), each rank a
+:class:`~rltune.learner.distributed.DistributedLearner`. The driver holds a
+:class:`RayLearnerGroup`, which implements the Learner protocol of
+``rltune/runtime/loop.py``: it cuts each global batch into the ranks' shards
+(:func:`~rltune.learner.distributed.shard_batch`), calls every rank together and returns
+rank 0's answer. The group's update is the one a
+:class:`~rltune.learner.learner.LocalLearner` of the same config makes on the whole batch
+(see ``rltune/learner/distributed.py`` for why), and every actor builds its learner as
+``rltune.runtime.local.build_run`` builds the local one, so both start identical.
+
+The model lives in the actors: the group has no ``model`` attribute. The driver gets the
+weights with :meth:`RayLearnerGroup.export_weights` (a :class:`WeightsRef` into Ray's
+object store, for generator actors to load without a copy through the driver) or
+:meth:`RayLearnerGroup.fetch_weights` (the dict, on the driver, for exports).
+
+Failures. A learner actor that dies makes the call that needed it raise
+:class:`LearnerDied` naming the rank; the other ranks are then stuck in a collective with
+a dead peer, so the group kills them and is closed. The run's supervisor resumes from the
+newest checkpoint with a new group. A rank that raises (a non-finite gradient, running out
+of memory) closes the group too, for the same reason, and its error propagates.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from rltune.config import Config
+from rltune.data.records import TrainBatch
+from rltune.learner.distributed import DistributedLearner, init_group, shard_batch
+from rltune.learner.objectives import build_objective
+from rltune.metrics.types import Metric
+from rltune.models.lora import is_lora
+from rltune.runtime.local import learner_options, load_policy, lookup_algorithm, seed_everything
+from rltune.runtime.ray.cluster import Placement
+from rltune.runtime.state import apply_learner_state, learner_state
+
+ROLE = "learner"
+"""The placement role of the learner actors (``runtime.placement.learner``)."""
+
+
+class LearnerDied(RuntimeError):
+    """A learner actor died (or stopped answering); the group is closed. Resume the run
+    from its newest checkpoint with a new group."""
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Rank 0's full weights (``dict[str, Tensor]``, CPU) in Ray's object store, at
+    policy ``version``.
+
+    Pass it to a generator actor, which loads ``ray.get(weights.ref)`` (an ObjectRef
+    inside an argument is not resolved by Ray); the driver never copies the tensors."""
+
+    ref: ray.ObjectRef
+    version: int
+
+    def get(self, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """The weights, here."""
+        return ray.get(self.ref, timeout=timeout_s)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+class LearnerActor:
+    """One rank of the learner group, run as a Ray actor (``ray.remote(LearnerActor)``).
+
+    Joins the torch.distributed group at ``master_addr:master_port`` as ``rank`` of
+    ``world`` and builds the policy learner from ``cfg`` as ``build_run`` does: seeded
+    with ``train.seed``, the model from ``model_dir`` (``load_policy``: LoRA when
+    configured), the objective of ``algo``, the options of ``learner_options``. Every
+    method that the group calls on all ranks must be called on all ranks together.
+    ``threads``: torch's intra-op threads (the actor's reserved CPUs, which take the place
+    of ``train.threads`` here)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: str,
+        rank: int,
+        world: int,
+        master_addr: str,
+        master_port: int,
+        threads: int,
+    ) -> None:
+        torch.set_num_threads(max(1, threads))
+        backend = _join_environment(rank, world, master_addr, master_port)
+        init_group(backend)
+        self.rank, self.world = rank, world
+        self.strategy = cfg.runtime.placement.learner_strategy
+        seed_everything(cfg.train.seed)
+        algorithm = lookup_algorithm(cfg.algo.name)
+        model = load_policy(cfg, model_dir)
+        objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+        self.learner = DistributedLearner(
+            model, objective, cfg.train, strategy=self.strategy, **learner_options(cfg, algorithm, model)
+        )
+
+    # -- training and prediction (every rank) ------------------------------------------
+
+    def step(self, batch: TrainBatch) -> tuple[int, dict[str, Metric] | None]:
+        """One optimizer step of the group on this rank's shard: ``(version, metrics)``,
+        the metrics (the group's, the same on every rank) from rank 0 only."""
+        metrics = self.learner.step(batch)
+        return self.learner.version, (metrics if self.rank == 0 else None)
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, C]`` log-probs of this rank's shard, on the CPU."""
+        return self.learner.logprobs(batch).cpu()
+
+    def export_weights(self) -> tuple[list[ray.ObjectRef], int] | None:
+        """Rank 0: ``([ref], version)``, ``ref`` to the full weights put into Ray's object
+        store by this actor (in a list, so that Ray hands the driver the reference and
+        not the tensors). Other ranks take part in FSDP2's gather and return None."""
+        weights = self.learner.export_weights()
+        if self.rank != 0:
+            return None
+        return [ray.put(_to_cpu(weights))], self.learner.version
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def checkpoint_state(self, prefix: str) -> tuple[dict, dict] | None:
+        """Rank 0: what :func:`rltune.runtime.state.learner_state` gives for a
+        ``LocalLearner`` of this model, CPU tensors; other ranks None. With FSDP2 every
+        rank takes part in gathering the full model and optimizer state."""
+        if self.strategy == "fsdp2":
+            return _fsdp2_state(self.learner, prefix)
+        return _to_cpu(learner_state(self.learner, prefix)) if self.rank == 0 else None
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict, path: str, prefix: str) -> int:
+        """Apply a :meth:`checkpoint_state` (every rank, the same arguments); returns the
+        restored version."""
+        if self.strategy == "fsdp2":
+            _apply_fsdp2_state(self.learner, tensors, meta, Path(path), prefix)
+        else:
+            apply_learner_state(self.learner, tensors, meta, Path(path), prefix)
+        return self.learner.version
+
+    # -- small queries ------------------------------------------------------------------
+
+    def version(self) -> int:
+        return self.learner.version
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(learner, *args)`` on this rank's learner (collectives inside ``fn`` need
+        every rank to run it)."""
+        return fn(self.learner, *args)
+
+
+def _join_environment(rank: int, world: int, master_addr: str, master_port: int) -> str | None:
+    """Set the variables :func:`init_group` reads; returns the backend: None (its default,
+    NCCL for the model) when Ray gave this actor a GPU, else gloo."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world))
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+    if gpu_ids and torch.cuda.is_available():
+        # the device index among those this process sees (Ray sets CUDA_VISIBLE_DEVICES)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        names = [name.strip() for name in visible.split(",")] if visible else []
+        os.environ["LOCAL_RANK"] = str(names.index(gpu_ids[0]) if gpu_ids[0] in names else int(gpu_ids[0]))
+        return None
+    os.environ["LOCAL_RANK"] = "0"
+    if master_addr.startswith("127."):
+        # a single-node cluster bound to loopback: gloo's own connections stay on it too
+        loopback = next((n for _, n in socket.if_nameindex() if n in ("lo", "lo0")), None)
+        if loopback is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    return "gloo"
+
+
+@ray.remote(num_cpus=0)
+def _endpoint() -> tuple[str, int]:
+    """This node's IP and a TCP port free on it: where rank 0 listens for the others."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- FSDP2 checkpoints
+
+
+def _fsdp2_state(learner: DistributedLearner, prefix: str) -> tuple[dict, dict] | None:
+    """:func:`learner_state` of an FSDP2 learner on rank 0 (None on the others): the full
+    model and optimizer state dicts are gathered to rank 0's CPU, the optimizer's state
+    then keyed by parameter index as ``torch.optim.Optimizer.state_dict`` keys it, so the
+    result has a ``LocalLearner``'s format and loads into either (or into a group of
+    another size or strategy)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    _refuse_fsdp2_lora(learner)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(learner.model, options=options)
+    # before the first step the optimizer has no state, and gathering it would create one
+    # (torch initialises it with a zero-gradient step); every rank has stepped as often
+    optim_state = (get_optimizer_state_dict(learner.model, learner.optimizer, options=options)
+                   if learner.optimizer.state else {"state": {}})
+    if learner.rank != 0:
+        return None
+    index = {name: i for i, name in enumerate(_param_names(learner))}
+    by_index = {
+        "state": {index[name]: state for name, state in optim_state["state"].items()},
+        # the live optimizer's own groups: the same on every rank, numbered as saved here
+        "param_groups": learner.optimizer.state_dict()["param_groups"],
+    }
+    view = types.SimpleNamespace(
+        model=_ModelView(model_state), optimizer=_OptimizerView(by_index, None), schedule=learner.schedule,
+        version=learner.version, nonfinite_in_a_row=learner.nonfinite_in_a_row,
+        nonfinite_total=learner.nonfinite_total,
+    )
+    return learner_state(view, prefix)
+
+
+def _apply_fsdp2_state(learner: DistributedLearner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+    """:func:`apply_learner_state` for an FSDP2 learner: the checks and the scheduler and
+    counters as there; each rank then takes its shards of the full state dicts."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    _refuse_fsdp2_lora(learner)
+    model_view = _ModelView(learner.model.state_dict(), tied_from=learner.model)
+    optimizer_view = _OptimizerView(None, learner.optimizer)
+    view = types.SimpleNamespace(model=model_view, optimizer=optimizer_view, schedule=learner.schedule)
+    apply_learner_state(view, tensors, meta, path, prefix)
+    names = _param_names(learner)
+    loaded = optimizer_view.loaded
+    by_name = {
+        "state": {names[int(i)]: state for i, state in loaded["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in loaded["param_groups"]],
+    }
+    # strict=False: the checks above allow a checkpoint without a tied weight's second name
+    set_model_state_dict(learner.model, model_view.loaded, options=StateDictOptions(full_state_dict=True, strict=False))
+    if by_name["state"]:
+        set_optimizer_state_dict(learner.model, learner.optimizer, by_name,
+                                 options=StateDictOptions(full_state_dict=True))
+    else:  # saved before the first step: no state, as Optimizer.load_state_dict would leave it
+        learner.optimizer.state.clear()
+    # the hyperparameters as Optimizer.load_state_dict leaves them (set_optimizer_state_dict
+    # turns tuples such as ``betas`` into lists)
+    for live, saved in zip(learner.optimizer.param_groups, loaded["param_groups"]):
+        live.update({key: value for key, value in saved.items() if key != "params"})
+    learner.version = view.version
+    learner.nonfinite_in_a_row = view.nonfinite_in_a_row
+    learner.nonfinite_total = view.nonfinite_total
+
+
+def _refuse_fsdp2_lora(learner: DistributedLearner) -> None:
+    if is_lora(learner.model):
+        raise RuntimeError(
+            "checkpoints of a LoRA model sharded with FSDP2 are not supported (its checkpoint "
+            "holds only the adapters and a fingerprint of the frozen weights, which the "
+            "sharded model cannot give); use runtime.placement.learner_strategy: ddp with LoRA"
+        )
+
+
+def _param_names(learner: DistributedLearner) -> list[str]:
+    """The names of the optimizer's parameters, in the order that numbers them in
+    ``optimizer.state_dict()``."""
+    name_of = {id(p): name for name, p in learner.model.named_parameters()}
+    return [name_of[id(p)] for group in learner.optimizer.param_groups for p in group["params"]]
+
+
+class _ModelView:
+    """Stands in for a sharded model where :mod:`rltune.checkpoint.model` expects a plain
+    one: ``state_dict()`` gives ``state`` (full tensors when saving; the sharded model's
+    own, whose shapes and dtypes are the full ones, when loading), and ``load_state_dict``
+    keeps what it is given in ``loaded``. With ``tied_from``, ``state_dict(keep_vars=True)``
+    gives one small tensor per distinct entry of that model, so that names sharing a
+    tensor (tied weights) share a data pointer as in a plain model."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], tied_from: torch.nn.Module | None = None) -> None:
+        self.state = dict(state)
+        self.loaded: dict[str, torch.Tensor] = {}
+        if tied_from is None:
+            self.vars = self.state
+        else:
+            live = tied_from.state_dict(keep_vars=True)
+            tokens: dict[int, torch.Tensor] = {}
+            self.vars = {name: tokens.setdefault(id(value), torch.empty(1)) for name, value in live.items()}
+
+    def state_dict(self, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        return self.vars if keep_vars else self.state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        self.loaded = dict(state)
+
+
+class _OptimizerView:
+    """Stands in for an FSDP2 learner's optimizer where :mod:`rltune.checkpoint.state`
+    expects one: ``state_dict()`` gives ``state`` (saving) or the live optimizer's own,
+    whose param groups are the template (loading); ``load_state_dict`` keeps its argument."""
+
+    def __init__(self, state: dict | None, live: torch.optim.Optimizer | None) -> None:
+        self.state, self.live = state, live
+        self.loaded: dict = {}
+
+    def state_dict(self) -> dict:
+        return self.state if self.state is not None else self.live.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _compact(batch: TrainBatch) -> TrainBatch:
+    """``batch`` with each tensor in storage of its own: a shard's fields are views into
+    the global batch, and pickling a view would ship the whole storage to every rank."""
+    moved = {f.name: getattr(batch, f.name).clone() for f in fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **moved)
+
+
+# ----------------------------------------------------------------------------- the group
+
+
+_RemoteLearnerActor = ray.remote(LearnerActor)
+
+
+class RayLearnerGroup:
+    """The driver's handle on the learner actors: the Learner protocol of
+    ``rltune/runtime/loop.py`` (``version``, ``step``, ``logprobs``, ``export_weights``)
+    plus checkpoints (``checkpoint_state``, ``load_checkpoint_state``, which
+    ``rltune/runtime/state.py`` calls), ``fetch_weights`` and ``close``.
+
+    Starts ``cfg.runtime.placement.learners`` actors in ``placement``'s learner bundles,
+    each loading ``model_dir``; rank 0 listens on a free port of its own node. There is no
+    ``model`` attribute: the model lives in the actors (``fetch_weights()`` gives its
+    weights). ``timeout_s`` bounds every call (None: wait as long as the ranks compute; a
+    dead actor is reported at once either way); a call past it raises
+    :class:`LearnerDied`. ``last_sync_s``: seconds the last ``export_weights`` took."""
+
+    def __init__(
+        self, cfg: Config, model_dir: str, placement: Placement, *, timeout_s: float | None = None
+    ) -> None:
+        algorithm = lookup_algorithm(cfg.algo.name)
+        try:  # refuses the algorithms with a learner of their own before any actor starts
+            objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+        except ValueError as err:
+            raise ValueError(f"RayLearnerGroup: {err}; the Ray learner group trains the policy "
+                             "learner's algorithms (those that generate, and SFT)") from None
+        self.unit = objective.unit
+        self.world = cfg.runtime.placement.learners
+        if len(placement.index[ROLE]) < self.world:
+            raise ValueError(f"RayLearnerGroup: runtime.placement.learners={self.world}, but the placement "
+                             f"has {len(placement.index[ROLE])} learner bundle(s); place the same placement config")
+        self.strategy = cfg.runtime.placement.learner_strategy
+        self.timeout_s = timeout_s
+        self.last_sync_s = 0.0
+        self.closed = False
+        first = {**placement.options(ROLE, 0), "num_cpus": 0, "num_gpus": 0}
+        master_addr, master_port = ray.get(_endpoint.options(**first).remote(), timeout=timeout_s)
+        threads = placement.threads(ROLE)
+        self.actors: list[ray.actor.ActorHandle] = [
+            _RemoteLearnerActor.options(**placement.options(ROLE, rank)).remote(
+                cfg, model_dir, rank, self.world, master_addr, master_port, threads
+            )
+            for rank in range(self.world)
+        ]
+        self._version = self._gather([a.version.remote() for a in self.actors], "start")[0]
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken (restored by a checkpoint)."""
+        return self._version
+
+    def step(self, batch: TrainBatch) -> dict[str, Metric]:
+        """One optimizer step of the group on the global ``batch`` (each rank its
+        contiguous shard); returns the group's metrics."""
+        refs = [actor.step.remote(shard) for actor, shard in zip(self.actors, self._shards(batch))]
+        version, metrics = self._gather(refs, "step")[0]
+        self._version = version
+        return metrics
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, C]`` log-probs of ``batch`` under the current weights, rows in order."""
+        refs = [actor.logprobs.remote(shard) for actor, shard in zip(self.actors, self._shards(batch))]
+        return torch.cat(self._gather(refs, "logprobs"))
+
+    def export_weights(self) -> WeightsRef:
+        """A :class:`WeightsRef` to the full weights, put into Ray's object store by rank 0
+        (the driver does not copy them). Takes ``last_sync_s`` seconds."""
+        start = time.perf_counter()
+        # with DDP rank 0 holds the full weights; FSDP2 gathers them on every rank
+        ranks = self.actors if self.strategy == "fsdp2" else self.actors[:1]
+        (refs, version), *_ = self._gather([a.export_weights.remote() for a in ranks], "export_weights")
+        self.last_sync_s = time.perf_counter() - start
+        return WeightsRef(refs[0], version)
+
+    def fetch_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights as a dict on the driver (for checkpoints and exports)."""
+        return self.export_weights().get(self.timeout_s)
+
+    def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
+        """``(tensors, meta)`` as :func:`rltune.runtime.state.learner_state` gives them for
+        a ``LocalLearner`` of the same model, from rank 0 (FSDP2: gathered from every
+        rank; a LoRA model with FSDP2 is refused with a RuntimeError)."""
+        ranks = self.actors if self.strategy == "fsdp2" else self.actors[:1]
+        return self._gather([a.checkpoint_state.remote(prefix) for a in ranks], "checkpoint_state")[0]
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict, path: Path | str, prefix: str) -> None:
+        """Apply a checkpoint's learner part (``prefix``) on every rank: its model and
+        optimizer tensors go into Ray's object store once, and every rank reads them from
+        there."""
+        state = ray.put({k: v for k, v in tensors.items() if k in (f"{prefix}model", f"{prefix}optimizer")})
+        refs = [a.load_checkpoint_state.remote(state, meta, str(path), prefix) for a in self.actors]
+        self._version = self._gather(refs, "load_checkpoint_state")[0]
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(learner, *args)`` on every rank's :class:`DistributedLearner`, together;
+        each rank's result, in rank order. ``fn`` must be picklable by Ray."""
+        return self._gather([a.run.remote(fn, *args) for a in self.actors], "run_on_ranks")
+
+    def close(self) -> None:
+        """Stop the actors (at once: a rank may be stuck in a collective)."""
+        if self.closed:
+            return
+        self.closed = True
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+    def __enter__(self) -> RayLearnerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _shards(self, batch: TrainBatch) -> list[ray.ObjectRef]:
+        """Each rank's shard of ``batch``, put into the object store (one put per shard)."""
+        self._check_open()
+        return [ray.put(_compact(shard_batch(batch, rank, self.world, unit=self.unit))) for rank in range(self.world)]
+
+    def _gather(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
+        """The results of ``refs`` (ref ``i`` from rank ``i``), taken as they finish so that
+        a dead rank is reported as soon as Ray knows, not after its peers time out. Any
+        failure closes the group: its other ranks may wait forever in a collective."""
+        self._check_open()
+        results: list[Any] = [None] * len(refs)
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if not ready:
+                self.close()
+                raise LearnerDied(
+                    f"learner rank(s) {sorted(pending.values())} of {self.world} did not finish {what} "
+                    f"within {self.timeout_s} s; the learner group is closed"
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError as err:
+                    self.close()
+                    raise LearnerDied(
+                        f"learner rank {rank} of {self.world} died during {what}; the learner group "
+                        f"is closed: {_reason(err)}"
+                    ) from err
+                except Exception:
+                    self.close()
+                    raise
+        return results
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise LearnerDied("the learner group is closed (a rank died or failed); build a new one")
+
+
+def _reason(err: BaseException) -> str:
+    """The last line of Ray's message for a dead actor: the exception that killed it (its
+    creation failed) or how it died (killed, its process or node lost)."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+__all__ = ["ROLE", "LearnerActor", "LearnerDied", "RayLearnerGroup", "WeightsRef"]
