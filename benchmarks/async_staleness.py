@@ -46,8 +46,10 @@ def run(staleness: int, steps: int, root: Path, threads: int, generators: int | 
     ]
     if generators is not None:
         overrides += ["runtime.mode=ray", f"runtime.placement.generators={generators}"]
-    subprocess.run([sys.executable, "-m", "rltune.cli", "train", str(root / "c.yaml"), *overrides],
-                   check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "rltune.cli", "train", str(root / "c.yaml"), *overrides],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the run with max_staleness={staleness}, generators={generators} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (root / "runs" / "bench" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step" in r][WARMUP:]
     step_s = statistics.median(r["time/step"] for r in rows)

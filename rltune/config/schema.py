@@ -353,6 +353,11 @@ class RuntimeConfig(_Section):
     """The Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); None starts a
     local one for the run, bound to 127.0.0.1, and stops it at the end."""
     placement: PlacementConfig = PlacementConfig()
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """How new weights reach the generator actors: ``object_store``: learner rank 0 puts
+    them into Ray's object store once and every generator reads them; ``broadcast``:
+    learner rank 0 and the generators form a process group of their own (NCCL between
+    GPUs, gloo on CPU) and each sync is a collective broadcast into the generators' models."""
     actor_restarts: int = Field(3, ge=0)
     """How many times a dead generator or scorer actor is restarted (its in-flight prompts
     reissued) before the run fails."""

@@ -20,6 +20,16 @@ class RayRuntimeError(RuntimeError):
     """The cluster cannot run the run as configured (shown to the user without a traceback)."""
 
 
+def actor_setup(threads: int) -> None:
+    """What every actor does first: ``threads`` torch threads (its CPU reservation), and no
+    per-load progress bars from transformers in the driver's log."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(max(1, threads))
+    hf_logging.disable_progress_bar()
+
+
 def connect(runtime: RuntimeConfig) -> bool:
     """Join ``runtime.ray_address``, or start a local Ray bound to 127.0.0.1 with enough
     logical CPUs for the placement. Returns whether this call started Ray (and so should
@@ -34,11 +44,15 @@ def connect(runtime: RuntimeConfig) -> bool:
             raise RayRuntimeError(f"runtime.ray_address={runtime.ray_address!r}: cannot join the cluster: {err}") from None
         return False
     need = total(runtime.placement)
+    cores = os.cpu_count() or 1
+    if need["CPU"] > cores:
+        # Ray's CPUs are reservations: a local Ray with fewer would never place the actors
+        print(f"rltune: runtime.placement reserves {need['CPU']:g} CPUs and this machine has {cores}; "
+              "the local Ray shares the cores between the actors", flush=True)
     ray.init(
         num_cpus=max(os.cpu_count() or 1, int(-(-need["CPU"] // 1))),
         num_gpus=int(-(-need["GPU"] // 1)) or None,
         include_dashboard=False,
-        _node_ip_address="127.0.0.1",
         runtime_env=env,
         log_to_driver=True,
     )

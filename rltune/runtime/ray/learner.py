@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import threading
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -48,7 +49,7 @@ from rltune.learner.objectives import build_objective
 from rltune.metrics.types import Metric
 from rltune.models.lora import is_lora
 from rltune.runtime.local import learner_options, load_policy, lookup_algorithm, seed_everything
-from rltune.runtime.ray.cluster import Placement
+from rltune.runtime.ray.cluster import Placement, actor_setup
 from rltune.runtime.state import apply_learner_state, learner_state
 
 ROLE = "learner"
@@ -76,6 +77,15 @@ class WeightsRef:
         return ray.get(self.ref, timeout=timeout_s)
 
 
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """The learner group's weights at ``version`` or newer, to be received by broadcast
+    (``runtime.weight_sync: broadcast``); the generators' pool runs the exchange."""
+
+    group: Any
+    version: int
+
+
 # ----------------------------------------------------------------------------- one rank
 
 
@@ -100,7 +110,7 @@ class LearnerActor:
         master_port: int,
         threads: int,
     ) -> None:
-        torch.set_num_threads(max(1, threads))
+        actor_setup(threads)
         backend = _join_environment(rank, world, master_addr, master_port)
         init_group(backend)
         self.rank, self.world = rank, world
@@ -133,6 +143,35 @@ class LearnerActor:
         if self.rank != 0:
             return None
         return [ray.put(_to_cpu(weights))], self.learner.version
+
+    # -- weights by broadcast (runtime.weight_sync: broadcast) ---------------------------
+
+    def open_channel(self, addr: str, port: int, world: int) -> Any:
+        """Rank 0: become rank 0 (the sender) of a new weight channel of ``world`` members
+        (the others are the generators); returns the layout of the weights it will send."""
+        from rltune.runtime.ray.sync import WeightChannel, layout
+
+        self.close_channel()
+        self.channel = WeightChannel(addr, port, 0, world, device=self.learner.device)
+        return layout(self.learner.model.state_dict())
+
+    def close_channel(self) -> None:
+        channel, self.channel = getattr(self, "channel", None), None
+        if channel is not None:
+            channel.close()
+
+    def send_weights(self) -> tuple[int, int, str | None] | None:
+        """Broadcast the full weights on the channel (FSDP2: every rank takes part in
+        gathering them, rank 0 sends). Rank 0: ``(version, bytes, error)``; a failed send
+        (a receiver gone) is reported, not raised, so the group stays usable."""
+        weights = self.learner.export_weights()
+        if self.rank != 0:
+            return None
+        try:
+            sent = self.channel.send(weights)
+        except Exception as err:  # noqa: BLE001 - the driver decides: re-form the channel
+            return self.learner.version, 0, f"{type(err).__name__}: {err}"
+        return self.learner.version, sent, None
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -186,10 +225,12 @@ def _join_environment(rank: int, world: int, master_addr: str, master_port: int)
 
 @ray.remote(num_cpus=0)
 def _endpoint() -> tuple[str, int]:
-    """This node's IP and a TCP port free on it: where rank 0 listens for the others."""
+    """This node's IP and a TCP port free on it: where rank 0 listens for the others. On a
+    cluster of one node the group meets on loopback, so gloo's connections stay on it."""
+    one_node = sum(1 for node in ray.nodes() if node["Alive"]) == 1
     with socket.socket() as s:
         s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return "127.0.0.1" if one_node else ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- FSDP2 checkpoints
@@ -376,6 +417,9 @@ class RayLearnerGroup:
             raise ValueError(f"RayLearnerGroup: runtime.placement.learners={self.world}, but the placement "
                              f"has {len(placement.index[ROLE])} learner bundle(s); place the same placement config")
         self.strategy = cfg.runtime.placement.learner_strategy
+        self.weight_sync = cfg.runtime.weight_sync
+        self.placement = placement
+        self._lock = threading.Lock()
         self.timeout_s = timeout_s
         self.last_sync_s = 0.0
         self.closed = False
@@ -398,49 +442,95 @@ class RayLearnerGroup:
     def step(self, batch: TrainBatch) -> dict[str, Metric]:
         """One optimizer step of the group on the global ``batch`` (each rank its
         contiguous shard); returns the group's metrics."""
-        refs = [actor.step.remote(shard) for actor, shard in zip(self.actors, self._shards(batch))]
+        shards = self._shards(batch)
+        with self._lock:
+            refs = [actor.step.remote(shard) for actor, shard in zip(self.actors, shards)]
         version, metrics = self._gather(refs, "step")[0]
         self._version = version
         return metrics
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, C]`` log-probs of ``batch`` under the current weights, rows in order."""
-        refs = [actor.logprobs.remote(shard) for actor, shard in zip(self.actors, self._shards(batch))]
+        shards = self._shards(batch)
+        with self._lock:
+            refs = [actor.logprobs.remote(shard) for actor, shard in zip(self.actors, shards)]
         return torch.cat(self._gather(refs, "logprobs"))
 
-    def export_weights(self) -> WeightsRef:
+    def export_weights(self) -> WeightsRef | BroadcastWeights:
         """A :class:`WeightsRef` to the full weights, put into Ray's object store by rank 0
-        (the driver does not copy them). Takes ``last_sync_s`` seconds."""
+        (the driver does not copy them; takes ``last_sync_s`` seconds). With
+        ``runtime.weight_sync: broadcast`` nothing moves here: a :class:`BroadcastWeights`
+        tells the generators to receive them from the group (:meth:`start_send`)."""
+        if self.weight_sync == "broadcast":
+            return BroadcastWeights(self, self._version)
+        return self._put_weights()
+
+    def _put_weights(self) -> WeightsRef:
         start = time.perf_counter()
-        # with DDP rank 0 holds the full weights; FSDP2 gathers them on every rank
-        ranks = self.actors if self.strategy == "fsdp2" else self.actors[:1]
-        (refs, version), *_ = self._gather([a.export_weights.remote() for a in ranks], "export_weights")
+        (refs, version), *_ = self._gather(self._submit("export_weights"), "export_weights")
         self.last_sync_s = time.perf_counter() - start
         return WeightsRef(refs[0], version)
 
+    def _submit(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        """``method`` on the ranks that hold full weights when asked for them: rank 0 with
+        DDP, every rank with FSDP2 (it gathers them). Submitted under the group's lock, so
+        that calls from two driver threads reach every rank in the same order."""
+        ranks = self.actors if self.strategy == "fsdp2" else self.actors[:1]
+        with self._lock:
+            return [getattr(a, method).remote(*args) for a in ranks]
+
+    def open_channel(self, world: int) -> tuple[str, int, ray.ObjectRef]:
+        """Make rank 0 the sender of a new weight channel of ``world`` members: returns the
+        address and port the receivers join and a ref to the sender's weight layout (it
+        resolves once every member has joined)."""
+        self._check_open()
+        first = {**self.placement.options(ROLE, 0), "num_cpus": 0, "num_gpus": 0}
+        addr, port = ray.get(_endpoint.options(**first).remote(), timeout=self.timeout_s)
+        with self._lock:
+            ref = self.actors[0].open_channel.remote(addr, port, world)
+        return addr, port, ref
+
+    def finish_open(self, ref: ray.ObjectRef) -> Any:
+        """The sender's weight layout, once the channel of :meth:`open_channel` is formed."""
+        return self._gather([ref], "open_channel")[0]
+
+    def start_send(self) -> list[ray.ObjectRef]:
+        """Start broadcasting the weights on the channel (the receivers must be receiving)."""
+        self._check_open()
+        return self._submit("send_weights")
+
+    def finish_send(self, refs: list[ray.ObjectRef]) -> tuple[int, str | None]:
+        """Wait for :meth:`start_send`: ``(version sent, error or None)``; ``last_sync_s``."""
+        start = time.perf_counter()
+        version, _, error = self._gather(refs, "send_weights")[0]
+        self.last_sync_s = time.perf_counter() - start
+        return version, error
+
     def fetch_weights(self) -> dict[str, torch.Tensor]:
         """The full weights as a dict on the driver (for checkpoints and exports)."""
-        return self.export_weights().get(self.timeout_s)
+        return self._put_weights().get(self.timeout_s)
 
     def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
         """``(tensors, meta)`` as :func:`rltune.runtime.state.learner_state` gives them for
         a ``LocalLearner`` of the same model, from rank 0 (FSDP2: gathered from every
         rank; a LoRA model with FSDP2 is refused with a RuntimeError)."""
-        ranks = self.actors if self.strategy == "fsdp2" else self.actors[:1]
-        return self._gather([a.checkpoint_state.remote(prefix) for a in ranks], "checkpoint_state")[0]
+        return self._gather(self._submit("checkpoint_state", prefix), "checkpoint_state")[0]
 
     def load_checkpoint_state(self, tensors: dict, meta: dict, path: Path | str, prefix: str) -> None:
         """Apply a checkpoint's learner part (``prefix``) on every rank: its model and
         optimizer tensors go into Ray's object store once, and every rank reads them from
         there."""
         state = ray.put({k: v for k, v in tensors.items() if k in (f"{prefix}model", f"{prefix}optimizer")})
-        refs = [a.load_checkpoint_state.remote(state, meta, str(path), prefix) for a in self.actors]
+        with self._lock:
+            refs = [a.load_checkpoint_state.remote(state, meta, str(path), prefix) for a in self.actors]
         self._version = self._gather(refs, "load_checkpoint_state")[0]
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(learner, *args)`` on every rank's :class:`DistributedLearner`, together;
         each rank's result, in rank order. ``fn`` must be picklable by Ray."""
-        return self._gather([a.run.remote(fn, *args) for a in self.actors], "run_on_ranks")
+        with self._lock:
+            refs = [a.run.remote(fn, *args) for a in self.actors]
+        return self._gather(refs, "run_on_ranks")
 
     def close(self) -> None:
         """Stop the actors (at once: a rank may be stuck in a collective)."""

@@ -30,7 +30,7 @@ import torch
 from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.rewards.scorer import ScoreStats
-from rltune.runtime.ray.cluster import Placement, RayRuntimeError
+from rltune.runtime.ray.cluster import Placement, RayRuntimeError, actor_setup
 
 CALL_TIMEOUT_S = 3600.0
 """A call that neither returns nor fails within this is taken for a hung actor."""
@@ -50,15 +50,16 @@ class GeneratorWorker:
         from rltune.models.load import load_tokenizer
         from rltune.runtime.local import load_policy, make_generator
 
-        torch.set_num_threads(threads)
+        actor_setup(threads)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         make_env = None
         if cfg.env.name:
             base = Path(config_dir) if config_dir else None
             make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=base)
         self.rng = torch.Generator().manual_seed(seed)
-        model = load_policy(cfg, model_dir).eval()
-        self.generator = make_generator(cfg, model, tokenizer, self.rng, make_env)
+        self.model = load_policy(cfg, model_dir).eval()
+        self.generator = make_generator(cfg, self.model, tokenizer, self.rng, make_env)
+        self.channel = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -69,6 +70,30 @@ class GeneratorWorker:
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
         self.generator.load_weights(version, tensors)
         return version
+
+    def open_channel(self, addr: str, port: int, rank: int, world: int) -> Any:
+        """Join a weight channel as receiver ``rank`` (``runtime.weight_sync: broadcast``);
+        returns the layout of this model's weights."""
+        from rltune.runtime.ray.sync import WeightChannel, layout
+
+        self.close_channel()
+        device = next(self.model.parameters()).device
+        self.channel = WeightChannel(addr, port, rank, world, device=device)
+        return layout(self.model.state_dict())
+
+    def close_channel(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
+
+    def receive_weights(self, version: int) -> int:
+        """Receive the weights broadcast on the channel into the model, as ``version``."""
+        self.channel.receive_into(self.model.state_dict())
+        self.generator.load_weights(version, None)
+        return version
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
 
     def rng_state(self) -> torch.Tensor:
         return self.rng.get_state()
@@ -83,7 +108,7 @@ class ScorerWorker:
     def __init__(self, cfg: Config, config_dir: str | None, threads: int) -> None:
         from rltune.rewards.scorer import LocalScorer, build_reward_fns
 
-        torch.set_num_threads(threads)
+        actor_setup(threads)
         r = cfg.runtime
         self.scorer = LocalScorer(
             build_reward_fns(cfg.reward, base_dir=config_dir),
@@ -177,7 +202,14 @@ class ActorPool:
     def _submit(self, i: int, method: str, args: tuple) -> ray.ObjectRef:
         return getattr(self.actors[i], method).remote(*args)
 
-    def _replace(self, i: int, err: Exception) -> None:
+    def reset(self, i: int) -> None:
+        """Replace live actor ``i`` (it may be stuck waiting on a dead peer); not a fault,
+        so it does not count against ``restarts``."""
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._start(i)
+        self._record(i, None)
+
+    def _replace(self, i: int, err: Exception, *, prepare: bool = True) -> None:
         if self.restarts_left <= 0:
             raise RayRuntimeError(
                 f"{self.role} actor {i} died and runtime.actor_restarts is used up: {_first_line(err)}"
@@ -187,17 +219,19 @@ class ActorPool:
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._start(i)
         self._record(i, err)
-        if self.prepare is not None:
+        if prepare and self.prepare is not None:
             self.prepare(i)
 
-    def _record(self, i: int, err: Exception) -> None:
+    def _record(self, i: int, err: Exception | None) -> None:
+        """A line of ``RUN/faults.jsonl``: ``restarted`` (it died: ``err``) or ``reset``."""
         if self.faults_file is None:
             return
         self.faults_file.parent.mkdir(parents=True, exist_ok=True)
         with self.faults_file.open("a") as f:
             f.write(json.dumps({
                 "time": time.time(), "role": self.role, "actor": i,
-                "event": "restarted", "error": _first_line(err),
+                "event": "restarted" if err is not None else "reset",
+                "error": _first_line(err) if err is not None else None,
                 "restarts_left": self.restarts_left,
             }) + "\n")
 
@@ -209,6 +243,23 @@ class ActorPool:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+
+
+def _first_deaths(refs: dict[ray.ObjectRef, int]) -> dict[int, Exception]:
+    """Wait for ``refs`` (ref -> actor index); as soon as one actor has died, the deaths
+    known by then (the others may never finish). An error raised inside a live actor
+    (its peer gone mid-broadcast) counts as a failure of that actor too."""
+    pending = dict(refs)
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=CALL_TIMEOUT_S)
+        if not ready:
+            raise RayRuntimeError(f"generators {sorted(pending.values())} did not receive the weights in {CALL_TIMEOUT_S:.0f} s")
+        i = pending.pop(ready[0])
+        try:
+            ray.get(ready[0])
+        except (*ACTOR_DEATH, ray.exceptions.RayTaskError) as err:
+            return {i: err}
+    return {}
 
 
 def _first_line(err: Exception) -> str:
@@ -229,6 +280,10 @@ class RayGenerator:
         seed, threads = cfg.train.seed, placement.threads("generator")
         self.version = 0
         self._weights: Any = None
+        self._source: Any = None
+        """With broadcast weights: the learner group that sends them."""
+        self._channel_open = False
+        self._forming = False
         self.last_sync_s = 0.0
         self.pool = ActorPool(
             "generator", GeneratorWorker, lambda i: (cfg, model_dir, config_dir, seed + i, threads),
@@ -250,14 +305,73 @@ class RayGenerator:
         start = time.perf_counter()
         if tensors is None:
             raise ValueError("RayGenerator.load_weights needs the weights: its actors hold their own copies")
-        self._weights = getattr(tensors, "ref", None) or ray.put(tensors)
-        self.version = version
-        self.pool.call_all("load_weights", version, self._weights)
+        if hasattr(tensors, "group"):  # BroadcastWeights: received from the learner group
+            self._source = tensors.group
+            self._broadcast()
+        else:
+            self._weights = getattr(tensors, "ref", None) or ray.put(tensors)
+            self.version = version
+            self.pool.call_all("load_weights", version, self._weights)
         self.last_sync_s = time.perf_counter() - start
 
     def _catch_up(self, i: int) -> None:
-        if self._weights is not None:
+        """Bring a replacement actor ``i`` to the others' weights before its next call."""
+        if self._source is not None:
+            if self._forming:  # its reissued open_channel joins the channel being formed
+                return
+            self._channel_open = False  # the channel had the dead actor in it
+            self._broadcast()
+        elif self._weights is not None:
             self.pool._submit(i, "load_weights", (self.version, self._weights))
+
+    # -- weights by broadcast -----------------------------------------------------------
+
+    def _broadcast(self) -> None:
+        """Receive the learner group's weights by broadcast (opening the channel first when
+        needed). When a generator dies during it, the others may wait for the rest of a
+        broadcast that will not come: every generator is replaced (only the dead one
+        counts as a fault), the channel formed again and the broadcast repeated."""
+        while True:
+            if not self._channel_open:
+                self._open_channel()
+            sends = self._source.start_send()
+            receives = {self.pool._submit(i, "receive_weights", (-1,)): i for i in range(self.pool.size)}
+            dead = _first_deaths(receives)
+            if not dead:
+                version, error = self._source.finish_send(sends)
+                if error is not None:
+                    raise RayRuntimeError(f"the weight broadcast failed: {error}")
+                # the version the generators hold is the one the learner sent
+                self.pool.call_all("load_weights", version, {})
+                self.version = version
+                return
+            for i in range(self.pool.size):
+                if i in dead:
+                    self.pool._replace(i, dead[i], prepare=False)
+                else:
+                    self.pool.reset(i)
+            self._source.finish_send(sends)  # fails now that its receivers are gone; expected
+            self._channel_open = False
+
+    def _open_channel(self) -> None:
+        """Learner rank 0 (sender) and every generator (receivers 1..n) form a new channel;
+        the layouts of the weights must agree."""
+        world = self.pool.size + 1
+        addr, port, sender = self._source.open_channel(world)
+        self._forming = True
+        try:
+            joined = self.pool.call({i: ("open_channel", (addr, port, i + 1, world)) for i in range(self.pool.size)})
+        finally:
+            self._forming = False
+        sent = self._source.finish_open(sender)
+        for i, mine in joined.items():
+            if mine != sent:
+                wrong = next((a, b) for a, b in zip(sent + [None] * len(mine), mine + [None] * len(sent)) if a != b)
+                raise RayRuntimeError(
+                    f"generator {i} holds weights laid out unlike the learner's (first difference: "
+                    f"learner {wrong[0]}, generator {wrong[1]}); both load runtime.model.path"
+                )
+        self._channel_open = True
 
     def step_metrics(self) -> dict[str, Any]:
         """Actors replaced since the last call, and the last weight load's seconds."""
