@@ -1,6 +1,6 @@
 """One local Ray for every Ray test of the session (starting one costs ~7 s on 2 cores).
 
-Bound to 127.0.0.1, no dashboard, 8 logical CPUs so that placements of several actors fit
+No dashboard, Ray token authentication on (its default), 8 logical CPUs so that placements of several actors fit
 on a 2-core machine (Ray's CPUs are reservations, not cores)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     ray.init(
-        num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+        num_cpus=8, include_dashboard=False,
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, log_to_driver=False,
     )
     yield ray

@@ -124,10 +124,12 @@ def test_a_generator_killed_during_the_run_loses_no_prompt(ray_cluster, config) 
 
 
 def test_a_learner_killed_during_the_run_resumes_from_its_checkpoint(ray_cluster, config) -> None:
+    """With the generator a version ahead, so the checkpoint must carry the async state:
+    the resumed run regenerates what was queued or in flight, each prompt once."""
     steps, per_step = 8, 4
     cfg = config("name=kill-learner", "runtime.mode=ray", f"train.steps={steps}",
                  f"train.prompts_per_step={per_step}", "checkpoint.every=2", "checkpoint.resume=auto",
-                 "data.shuffle=true")
+                 "data.shuffle=true", "runtime.max_staleness=1", "algo.importance_correction=token-truncate")
     run_dir = Path(cfg.log.dir) / cfg.name
     killer = kill_when(run_dir / "metrics.jsonl", lines=3, title="ray::LearnerActor")
     try:
