@@ -24,7 +24,14 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from learner_group_workers import ADAM_EPS, BUDGET, GRAD_CLIP, LR, algo_config, make_batch  # noqa: E402
+from learner_group_workers import (  # noqa: E402
+    ADAM_EPS,
+    BUDGET,
+    GRAD_CLIP,
+    LR,
+    algo_config,
+    make_batch,
+)
 
 from rltune.checkpoint.store import load_checkpoint, save_checkpoint  # noqa: E402
 from rltune.config.schema import (  # noqa: E402
@@ -41,7 +48,12 @@ from rltune.learner.learner import LocalLearner  # noqa: E402
 from rltune.learner.objectives import build_objective  # noqa: E402
 from rltune.metrics.types import scalars  # noqa: E402
 from rltune.models.load import load_model, resolve_model  # noqa: E402
-from rltune.runtime.local import learner_options, load_policy, lookup_algorithm, seed_everything  # noqa: E402
+from rltune.runtime.local import (  # noqa: E402
+    learner_options,
+    load_policy,
+    lookup_algorithm,
+    seed_everything,
+)
 from rltune.runtime.ray.cluster import place  # noqa: E402
 from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup, WeightsRef  # noqa: E402
 from rltune.runtime.state import learner_state  # noqa: E402

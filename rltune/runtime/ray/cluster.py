@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rltune.config.schema import PlacementConfig, RoleResources, RuntimeConfig
@@ -18,6 +23,13 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 class RayRuntimeError(RuntimeError):
     """The cluster cannot run the run as configured (shown to the user without a traceback)."""
+
+
+def death_reason(err: BaseException) -> str:
+    """The last line of Ray's message for a dead actor: the exception that killed it (its
+    creation failed) or how it died (killed, its process or node lost)."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def actor_setup(threads: int) -> None:

@@ -28,7 +28,6 @@ of memory) closes the group too, for the same reason, and its error propagates.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import threading
 import time
@@ -48,8 +47,13 @@ from rltune.learner.distributed import DistributedLearner, init_group, shard_bat
 from rltune.learner.objectives import build_objective
 from rltune.metrics.types import Metric
 from rltune.models.lora import is_lora
-from rltune.runtime.local import learner_options, load_policy, lookup_algorithm, seed_everything
-from rltune.runtime.ray.cluster import Placement, actor_setup
+from rltune.runtime.local import (
+    learner_options,
+    load_policy,
+    lookup_algorithm,
+    seed_everything,
+)
+from rltune.runtime.ray.cluster import Placement, actor_setup, death_reason
 from rltune.runtime.state import apply_learner_state, learner_state
 
 ROLE = "learner"
@@ -578,7 +582,7 @@ class RayLearnerGroup:
                     self.close()
                     raise LearnerDied(
                         f"learner rank {rank} of {self.world} died during {what}; the learner group "
-                        f"is closed: {_reason(err)}"
+                        f"is closed: {death_reason(err)}"
                     ) from err
                 except Exception:
                     self.close()
@@ -588,13 +592,6 @@ class RayLearnerGroup:
     def _check_open(self) -> None:
         if self.closed:
             raise LearnerDied("the learner group is closed (a rank died or failed); build a new one")
-
-
-def _reason(err: BaseException) -> str:
-    """The last line of Ray's message for a dead actor: the exception that killed it (its
-    creation failed) or how it died (killed, its process or node lost)."""
-    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
 
 
 __all__ = ["ROLE", "LearnerActor", "LearnerDied", "RayLearnerGroup", "WeightsRef"]

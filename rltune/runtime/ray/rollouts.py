@@ -30,7 +30,12 @@ import torch
 from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.rewards.scorer import ScoreStats
-from rltune.runtime.ray.cluster import Placement, RayRuntimeError, actor_setup
+from rltune.runtime.ray.cluster import (
+    Placement,
+    RayRuntimeError,
+    actor_setup,
+    death_reason,
+)
 
 CALL_TIMEOUT_S = 3600.0
 """A call that neither returns nor fails within this is taken for a hung actor."""
@@ -212,7 +217,7 @@ class ActorPool:
     def _replace(self, i: int, err: Exception, *, prepare: bool = True) -> None:
         if self.restarts_left <= 0:
             raise RayRuntimeError(
-                f"{self.role} actor {i} died and runtime.actor_restarts is used up: {_first_line(err)}"
+                f"{self.role} actor {i} died and runtime.actor_restarts is used up: {death_reason(err)}"
             ) from None
         self.restarts_left -= 1
         self.restarted += 1
@@ -231,7 +236,7 @@ class ActorPool:
             f.write(json.dumps({
                 "time": time.time(), "role": self.role, "actor": i,
                 "event": "restarted" if err is not None else "reset",
-                "error": _first_line(err) if err is not None else None,
+                "error": death_reason(err) if err is not None else None,
                 "restarts_left": self.restarts_left,
             }) + "\n")
 
@@ -260,11 +265,6 @@ def _first_deaths(refs: dict[ray.ObjectRef, int]) -> dict[int, Exception]:
         except (*ACTOR_DEATH, ray.exceptions.RayTaskError) as err:
             return {i: err}
     return {}
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 class RayGenerator:
