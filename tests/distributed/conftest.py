@@ -1,11 +1,17 @@
-"""One local Ray for every Ray test of the session (starting one costs ~7 s on 2 cores).
+"""One local Ray for the Ray tests (starting one costs ~7 s on 2 cores), stopped after the
+last test that uses it, so that its idle processes do not share the cores with the rest
+of the suite.
 
-No dashboard, Ray token authentication on (its default), 8 logical CPUs so that placements of several actors fit
-on a 2-core machine (Ray's CPUs are reservations, not cores)."""
+No dashboard, Ray token authentication on (its default), 8 logical CPUs so that placements
+of several actors fit on a 2-core machine (Ray's CPUs are reservations, not cores)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+
+_LAST_RAY_TEST: list[str] = []
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +23,15 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    users = [item.nodeid for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    _LAST_RAY_TEST[:] = users[-1:]
+
+
+@pytest.hookimpl(trylast=True)  # after the item's module fixtures have stopped their actors
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    ray = sys.modules.get("ray")
+    if _LAST_RAY_TEST and item.nodeid == _LAST_RAY_TEST[0] and ray is not None and ray.is_initialized():
+        ray.shutdown()

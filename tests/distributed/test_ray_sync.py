@@ -84,6 +84,7 @@ def test_a_broadcast_run_trains_step_for_step_as_an_object_store_run(ray_cluster
     assert [m["loss"] for m in histories["broadcast"]] == [m["loss"] for m in histories["object_store"]]
 
 
+@pytest.mark.slow
 def test_a_generator_dead_between_syncs_is_replaced_and_the_channel_formed_again(ray_cluster, config) -> None:
     run, close = start(config("name=dead", "runtime.weight_sync=broadcast"))
     try:

@@ -88,6 +88,7 @@ def test_the_same_recipe_trains_alike_locally_and_on_ray(ray_cluster, config) ->
     assert all(m["time/weight_load"] > 0 for m in remote)
 
 
+@pytest.mark.slow
 def test_two_generators_two_learners_ahead_of_the_learner_learn(ray_cluster, config) -> None:
     cfg = config(
         "name=wide", "runtime.mode=ray", "runtime.placement.generators=2", "runtime.placement.learners=2",
