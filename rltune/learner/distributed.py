@@ -481,7 +481,9 @@ def spawn_learner_group(
     Each process gets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and
     ``LOCAL_RANK`` and joins with :func:`init_group` (``backend`` None: its default)
     before ``fn`` runs, and leaves after. ``fn`` must be importable by name (a module's
-    top-level function) and its arguments and return value picklable. A rank that
+    top-level function), its arguments picklable and its return value made of tensors,
+    numbers, strings and lists/tuples/dicts of them (read back with
+    ``torch.load(weights_only=True)``: no pickle of arbitrary objects). A rank that
     raises fails the whole group: the others are stopped and a ``RuntimeError`` shows
     the tracebacks, the first rank to fail first (the others usually fail because of
     it). A group still running after ``timeout_s`` seconds is stopped with a
@@ -504,7 +506,7 @@ def spawn_learner_group(
         except ProcessException as err:
             _stop(context.processes)
             raise RuntimeError(_failure_report(Path(out_dir), fn, err)) from None
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
 def _group_worker(rank: int, world: int, port: int, backend: str | None, out_dir: str,

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 
 def checkpoint_root(run: "Run") -> Path:
-    return run.run_dir / "checkpoints"
+    return checkpoints_of(run.run_dir)
+
+
+def checkpoints_of(run_dir: Path) -> Path:
+    """Where the run in ``run_dir`` keeps its checkpoints."""
+    return run_dir / "checkpoints"
 
 
 def save(run: "Run") -> Path:

@@ -2,6 +2,7 @@
 
 The only package of rltune that imports ray. ``cluster`` starts or joins Ray and places the
 actors; ``rollouts`` holds the generator and scorer actors (restarted when they die, their
-work reissued); ``learner`` the learner group; ``run`` builds a :class:`rltune.runtime.loop.Run`
+work reissued); ``learner`` the learner group (``fsdp_state`` its FSDP2 checkpoints);
+``sync`` the broadcast weight channel; ``run`` builds a :class:`rltune.runtime.loop.Run`
 from them, which the one loop of ``runtime/loop.py`` drives as it drives a local run.
 """

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,6 +26,13 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 class RayRuntimeError(RuntimeError):
     """The cluster cannot run the run as configured (shown to the user without a traceback)."""
+
+
+def record_fault(path: Path, **fields: Any) -> None:
+    """Append one event (a replaced actor, a resumed run) to ``RUN/faults.jsonl``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps({"time": time.time(), **fields}) + "\n")
 
 
 def death_reason(err: BaseException) -> str:

@@ -31,8 +31,7 @@ import os
 import socket
 import threading
 import time
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from rltune.data.records import TrainBatch
 from rltune.learner.distributed import DistributedLearner, init_group, shard_batch
 from rltune.learner.objectives import build_objective
 from rltune.metrics.types import Metric
-from rltune.models.lora import is_lora
 from rltune.runtime.local import (
     learner_options,
     load_policy,
@@ -54,6 +52,7 @@ from rltune.runtime.local import (
     seed_everything,
 )
 from rltune.runtime.ray.cluster import Placement, actor_setup, death_reason
+from rltune.runtime.ray.fsdp_state import apply_fsdp2_state, fsdp2_state
 from rltune.runtime.state import apply_learner_state, learner_state
 
 ROLE = "learner"
@@ -172,7 +171,7 @@ class LearnerActor:
         if self.rank != 0:
             return None
         try:
-            sent = self.channel.send(weights)
+            sent = self.channel.send(weights, self.learner.version)
         except Exception as err:  # noqa: BLE001 - the driver decides: re-form the channel
             return self.learner.version, 0, f"{type(err).__name__}: {err}"
         return self.learner.version, sent, None
@@ -184,14 +183,14 @@ class LearnerActor:
         ``LocalLearner`` of this model, CPU tensors; other ranks None. With FSDP2 every
         rank takes part in gathering the full model and optimizer state."""
         if self.strategy == "fsdp2":
-            return _fsdp2_state(self.learner, prefix)
+            return fsdp2_state(self.learner, prefix)
         return _to_cpu(learner_state(self.learner, prefix)) if self.rank == 0 else None
 
     def load_checkpoint_state(self, tensors: dict, meta: dict, path: str, prefix: str) -> int:
         """Apply a :meth:`checkpoint_state` (every rank, the same arguments); returns the
         restored version."""
         if self.strategy == "fsdp2":
-            _apply_fsdp2_state(self.learner, tensors, meta, Path(path), prefix)
+            apply_fsdp2_state(self.learner, tensors, meta, Path(path), prefix)
         else:
             apply_learner_state(self.learner, tensors, meta, Path(path), prefix)
         return self.learner.version
@@ -235,137 +234,6 @@ def _endpoint() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind(("", 0))
         return "127.0.0.1" if one_node else ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
-# ----------------------------------------------------------------------------- FSDP2 checkpoints
-
-
-def _fsdp2_state(learner: DistributedLearner, prefix: str) -> tuple[dict, dict] | None:
-    """:func:`learner_state` of an FSDP2 learner on rank 0 (None on the others): the full
-    model and optimizer state dicts are gathered to rank 0's CPU, the optimizer's state
-    then keyed by parameter index as ``torch.optim.Optimizer.state_dict`` keys it, so the
-    result has a ``LocalLearner``'s format and loads into either (or into a group of
-    another size or strategy)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    _refuse_fsdp2_lora(learner)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(learner.model, options=options)
-    # before the first step the optimizer has no state, and gathering it would create one
-    # (torch initialises it with a zero-gradient step); every rank has stepped as often
-    optim_state = (get_optimizer_state_dict(learner.model, learner.optimizer, options=options)
-                   if learner.optimizer.state else {"state": {}})
-    if learner.rank != 0:
-        return None
-    index = {name: i for i, name in enumerate(_param_names(learner))}
-    by_index = {
-        "state": {index[name]: state for name, state in optim_state["state"].items()},
-        # the live optimizer's own groups: the same on every rank, numbered as saved here
-        "param_groups": learner.optimizer.state_dict()["param_groups"],
-    }
-    view = types.SimpleNamespace(
-        model=_ModelView(model_state), optimizer=_OptimizerView(by_index, None), schedule=learner.schedule,
-        version=learner.version, nonfinite_in_a_row=learner.nonfinite_in_a_row,
-        nonfinite_total=learner.nonfinite_total,
-    )
-    return learner_state(view, prefix)
-
-
-def _apply_fsdp2_state(learner: DistributedLearner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
-    """:func:`apply_learner_state` for an FSDP2 learner: the checks and the scheduler and
-    counters as there; each rank then takes its shards of the full state dicts."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    _refuse_fsdp2_lora(learner)
-    model_view = _ModelView(learner.model.state_dict(), tied_from=learner.model)
-    optimizer_view = _OptimizerView(None, learner.optimizer)
-    view = types.SimpleNamespace(model=model_view, optimizer=optimizer_view, schedule=learner.schedule)
-    apply_learner_state(view, tensors, meta, path, prefix)
-    names = _param_names(learner)
-    loaded = optimizer_view.loaded
-    by_name = {
-        "state": {names[int(i)]: state for i, state in loaded["state"].items()},
-        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in loaded["param_groups"]],
-    }
-    # strict=False: the checks above allow a checkpoint without a tied weight's second name
-    set_model_state_dict(learner.model, model_view.loaded, options=StateDictOptions(full_state_dict=True, strict=False))
-    if by_name["state"]:
-        set_optimizer_state_dict(learner.model, learner.optimizer, by_name,
-                                 options=StateDictOptions(full_state_dict=True))
-    else:  # saved before the first step: no state, as Optimizer.load_state_dict would leave it
-        learner.optimizer.state.clear()
-    # the hyperparameters as Optimizer.load_state_dict leaves them (set_optimizer_state_dict
-    # turns tuples such as ``betas`` into lists)
-    for live, saved in zip(learner.optimizer.param_groups, loaded["param_groups"]):
-        live.update({key: value for key, value in saved.items() if key != "params"})
-    learner.version = view.version
-    learner.nonfinite_in_a_row = view.nonfinite_in_a_row
-    learner.nonfinite_total = view.nonfinite_total
-
-
-def _refuse_fsdp2_lora(learner: DistributedLearner) -> None:
-    if is_lora(learner.model):
-        raise RuntimeError(
-            "checkpoints of a LoRA model sharded with FSDP2 are not supported (its checkpoint "
-            "holds only the adapters and a fingerprint of the frozen weights, which the "
-            "sharded model cannot give); use runtime.placement.learner_strategy: ddp with LoRA"
-        )
-
-
-def _param_names(learner: DistributedLearner) -> list[str]:
-    """The names of the optimizer's parameters, in the order that numbers them in
-    ``optimizer.state_dict()``."""
-    name_of = {id(p): name for name, p in learner.model.named_parameters()}
-    return [name_of[id(p)] for group in learner.optimizer.param_groups for p in group["params"]]
-
-
-class _ModelView:
-    """Stands in for a sharded model where :mod:`rltune.checkpoint.model` expects a plain
-    one: ``state_dict()`` gives ``state`` (full tensors when saving; the sharded model's
-    own, whose shapes and dtypes are the full ones, when loading), and ``load_state_dict``
-    keeps what it is given in ``loaded``. With ``tied_from``, ``state_dict(keep_vars=True)``
-    gives one small tensor per distinct entry of that model, so that names sharing a
-    tensor (tied weights) share a data pointer as in a plain model."""
-
-    def __init__(self, state: Mapping[str, torch.Tensor], tied_from: torch.nn.Module | None = None) -> None:
-        self.state = dict(state)
-        self.loaded: dict[str, torch.Tensor] = {}
-        if tied_from is None:
-            self.vars = self.state
-        else:
-            live = tied_from.state_dict(keep_vars=True)
-            tokens: dict[int, torch.Tensor] = {}
-            self.vars = {name: tokens.setdefault(id(value), torch.empty(1)) for name, value in live.items()}
-
-    def state_dict(self, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        return self.vars if keep_vars else self.state
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        self.loaded = dict(state)
-
-
-class _OptimizerView:
-    """Stands in for an FSDP2 learner's optimizer where :mod:`rltune.checkpoint.state`
-    expects one: ``state_dict()`` gives ``state`` (saving) or the live optimizer's own,
-    whose param groups are the template (loading); ``load_state_dict`` keeps its argument."""
-
-    def __init__(self, state: dict | None, live: torch.optim.Optimizer | None) -> None:
-        self.state, self.live = state, live
-        self.loaded: dict = {}
-
-    def state_dict(self) -> dict:
-        return self.state if self.state is not None else self.live.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loaded = state
 
 
 def _to_cpu(value: Any) -> Any:

@@ -16,7 +16,6 @@ Each replacement is recorded in ``RUN/faults.jsonl`` and counted in the step's
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -35,6 +34,7 @@ from rltune.runtime.ray.cluster import (
     RayRuntimeError,
     actor_setup,
     death_reason,
+    record_fault,
 )
 
 CALL_TIMEOUT_S = 3600.0
@@ -91,9 +91,10 @@ class GeneratorWorker:
         if channel is not None:
             channel.close()
 
-    def receive_weights(self, version: int) -> int:
-        """Receive the weights broadcast on the channel into the model, as ``version``."""
-        self.channel.receive_into(self.model.state_dict())
+    def receive_weights(self) -> int:
+        """Receive the weights broadcast on the channel into the model; returns the policy
+        version the sender announced with them."""
+        version = self.channel.receive_into(self.model.state_dict())
         self.generator.load_weights(version, None)
         return version
 
@@ -181,7 +182,7 @@ class ActorPool:
     def call(self, jobs: dict[int, tuple[str, tuple]]) -> dict[int, Any]:
         """Run ``method(*args)`` on actor ``i`` for each ``i: (method, args)``, at once;
         returns each result. A dead actor is replaced and its job reissued."""
-        pending = {self._submit(i, *job): i for i, job in jobs.items()}
+        pending = {self.submit(i, *job): i for i, job in jobs.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while pending:
@@ -194,7 +195,7 @@ class ActorPool:
                 results[i] = ray.get(ref)
             except ACTOR_DEATH as err:
                 self._replace(i, err)
-                pending[self._submit(i, *jobs[i])] = i
+                pending[self.submit(i, *jobs[i])] = i
             except ray.exceptions.RayTaskError as err:
                 # the actor lives but its code raised: the user's error, shown as it is
                 raise err.as_instanceof_cause() from None
@@ -204,7 +205,7 @@ class ActorPool:
         results = self.call({i: (method, args) for i in range(self.size)})
         return [results[i] for i in range(self.size)]
 
-    def _submit(self, i: int, method: str, args: tuple) -> ray.ObjectRef:
+    def submit(self, i: int, method: str, args: tuple) -> ray.ObjectRef:
         return getattr(self.actors[i], method).remote(*args)
 
     def reset(self, i: int) -> None:
@@ -229,16 +230,11 @@ class ActorPool:
 
     def _record(self, i: int, err: Exception | None) -> None:
         """A line of ``RUN/faults.jsonl``: ``restarted`` (it died: ``err``) or ``reset``."""
-        if self.faults_file is None:
-            return
-        self.faults_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.faults_file.open("a") as f:
-            f.write(json.dumps({
-                "time": time.time(), "role": self.role, "actor": i,
-                "event": "restarted" if err is not None else "reset",
-                "error": death_reason(err) if err is not None else None,
-                "restarts_left": self.restarts_left,
-            }) + "\n")
+        if self.faults_file is not None:
+            record_fault(
+                self.faults_file, role=self.role, actor=i, event="restarted" if err is not None else "reset",
+                error=death_reason(err) if err is not None else None, restarts_left=self.restarts_left,
+            )
 
     def take_restarts(self) -> int:
         n, self.restarted = self.restarted, 0
@@ -322,7 +318,7 @@ class RayGenerator:
             self._channel_open = False  # the channel had the dead actor in it
             self._broadcast()
         elif self._weights is not None:
-            self.pool._submit(i, "load_weights", (self.version, self._weights))
+            self.pool.submit(i, "load_weights", (self.version, self._weights))
 
     # -- weights by broadcast -----------------------------------------------------------
 
@@ -335,15 +331,13 @@ class RayGenerator:
             if not self._channel_open:
                 self._open_channel()
             sends = self._source.start_send()
-            receives = {self.pool._submit(i, "receive_weights", (-1,)): i for i in range(self.pool.size)}
+            receives = {self.pool.submit(i, "receive_weights", ()): i for i in range(self.pool.size)}
             dead = _first_deaths(receives)
             if not dead:
                 version, error = self._source.finish_send(sends)
                 if error is not None:
                     raise RayRuntimeError(f"the weight broadcast failed: {error}")
-                # the version the generators hold is the one the learner sent
-                self.pool.call_all("load_weights", version, {})
-                self.version = version
+                self.version = version  # the learner's at the send; each generator took it from the channel
                 return
             for i in range(self.pool.size):
                 if i in dead:
@@ -366,10 +360,11 @@ class RayGenerator:
         sent = self._source.finish_open(sender)
         for i, mine in joined.items():
             if mine != sent:
-                wrong = next((a, b) for a, b in zip(sent + [None] * len(mine), mine + [None] * len(sent)) if a != b)
+                only_sent = sorted(set(map(tuple, sent)) - set(map(tuple, mine)))[:3]
+                only_mine = sorted(set(map(tuple, mine)) - set(map(tuple, sent)))[:3]
                 raise RayRuntimeError(
-                    f"generator {i} holds weights laid out unlike the learner's (first difference: "
-                    f"learner {wrong[0]}, generator {wrong[1]}); both load runtime.model.path"
+                    f"generator {i} holds weights laid out unlike the learner's (learner only: "
+                    f"{only_sent}; generator only: {only_mine}); both load model.path"
                 )
         self._channel_open = True
 

@@ -11,8 +11,6 @@ within the step (``rollouts.py``).
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +22,16 @@ from rltune.checkpoint.store import latest_checkpoint
 from rltune.config import Config
 from rltune.runtime.local import build_run, load_policy
 from rltune.runtime.loop import Run, train
-from rltune.runtime.ray.cluster import Placement, RayRuntimeError, connect, place
+from rltune.runtime.ray.cluster import (
+    Placement,
+    RayRuntimeError,
+    connect,
+    place,
+    record_fault,
+)
 from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup
 from rltune.runtime.ray.rollouts import RayGenerator, RayScorer
+from rltune.runtime.state import checkpoints_of
 
 
 class RayRunState:
@@ -118,7 +123,7 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
                 _export_final(cfg, run)
             return run
         except LearnerDied as err:
-            newest = latest_checkpoint(checkpoint_root_of(run_dir))
+            newest = latest_checkpoint(checkpoints_of(run_dir))
             if restarts_left <= 0:
                 raise RayRuntimeError(f"{err}; runtime.learner_restarts is used up") from None
             restarts_left -= 1
@@ -130,18 +135,10 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
             roles.close()
 
 
-def checkpoint_root_of(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
 def _record_fault(run_dir: Path, err: Exception, newest: Path | None, restarts_left: int) -> None:
     print(f"rltune: {err}; resuming from {newest or 'the start'} ({restarts_left} learner restarts left)", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / "faults.jsonl").open("a") as f:
-        f.write(json.dumps({
-            "time": time.time(), "role": "learner", "event": "resumed", "error": str(err),
-            "checkpoint": str(newest) if newest is not None else None, "restarts_left": restarts_left,
-        }) + "\n")
+    record_fault(run_dir / "faults.jsonl", role="learner", event="resumed", error=str(err),
+                 checkpoint=str(newest) if newest is not None else None, restarts_left=restarts_left)
 
 
 def _export_final(cfg: Config, run: Run) -> None:

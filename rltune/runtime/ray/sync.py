@@ -69,8 +69,10 @@ class WeightChannel:
         opts.rootRank = 0
         self.group.broadcast([flat], opts).wait()
 
-    def send(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Rank 0: broadcast ``tensors`` bucket by bucket; returns the bytes sent."""
+    def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> int:
+        """Rank 0: broadcast the policy ``version``, then ``tensors`` bucket by bucket;
+        returns the bytes sent."""
+        self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
         sent = 0
         with torch.no_grad():
             for names in buckets(tensors):
@@ -79,9 +81,11 @@ class WeightChannel:
                 sent += flat.numel() * flat.element_size()
         return sent
 
-    def receive_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """The other ranks: receive every bucket and copy it into ``tensors`` in place (a
-        model's own parameters and buffers)."""
+    def receive_into(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """The other ranks: receive the version and every bucket, copied into ``tensors``
+        in place (a model's own parameters and buffers); returns the version."""
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(version)
         with torch.no_grad():
             for names in buckets(tensors):
                 parts = [tensors[n] for n in names]
@@ -91,6 +95,7 @@ class WeightChannel:
                 for p in parts:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
+        return int(version)
 
     def close(self) -> None:
         """Leave the group (the other members' next broadcast fails rather than hangs)."""
