@@ -5,7 +5,7 @@ Every field has its default here and nowhere else. Imports no torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -181,12 +181,40 @@ class DataConfig(_Section):
     shuffle: bool = True
 
 
+class VLLMConfig(_Section):
+    """The vLLM engine of ``rollout.engine: vllm`` (one per generator, on one GPU)."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of the GPU's memory vLLM may take for weights and KV cache; leave room for a
+    learner that shares the GPU (``runtime.placement.colocate``)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt plus completion; None: the model's own limit."""
+    enforce_eager: bool = False
+    """True: no CUDA graphs (quicker start, slower decoding)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Further ``vllm.LLM`` keyword arguments, passed as they are."""
+
+
 class RolloutConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stop: tuple[str, ...] = ()
+    engine: Literal["hf", "vllm"] = "hf"
+    """``hf``: rltune's sampler on the transformers model (CPU or GPU; the local runtime
+    shares the learner's module). ``vllm``: a vLLM engine holding its own copy of the
+    weights, updated in place after each step (the ``vllm`` extra; GPU)."""
+    vllm: VLLMConfig = VLLMConfig()
+
+    @model_validator(mode="after")
+    def _vllm_sampling(self) -> "RolloutConfig":
+        if self.engine == "vllm" and self.temperature > 0 and (self.top_k or self.top_p < 1.0):
+            raise ValueError(
+                "rollout.engine=vllm samples with top_k: 0 and top_p: 1.0 only: vLLM reports "
+                "log-probs of the filtered distribution, which the learner's would not match"
+            )
+        return self
 
 
 class RewardFnConfig(_Section):
@@ -421,6 +449,11 @@ class Config(_Section):
             raise ValueError(
                 f"runtime.mode=ray runs algorithms whose learner needs only its batches; "
                 f"{name} evaluates its model in the driver: use runtime.mode=local"
+            )
+        if self.rollout.engine == "vllm" and self.model.lora is not None:
+            raise ValueError(
+                "rollout.engine=vllm loads whole weights into the engine; model.lora trains "
+                "adapters: use rollout.engine=hf with LoRA"
             )
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name {self.name!r} must be a plain directory name")

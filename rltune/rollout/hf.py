@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -24,8 +25,13 @@ from rltune.rollout.sampling import sample_next
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Token ids that end a completion: the generation config's EOS ids and the tokenizer's."""
+    return generation_eos_ids(model.generation_config, tokenizer)
+
+
+def generation_eos_ids(generation_config: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """:func:`eos_ids` from a ``GenerationConfig`` (None: the tokenizer's alone)."""
     ids: set[int] = set()
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    gen_eos = getattr(generation_config, "eos_token_id", None)
     for value in (gen_eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)
@@ -71,7 +77,7 @@ class HFGenerator:
     ) -> list[Rollout]:
         """``params.n`` samples of each prompt; samples of prompt ``i`` get group
         ``group_offset + i`` and are adjacent in the output."""
-        prompt_seqs = [torch.tensor(_ids(p), dtype=torch.long) for p in prompts]
+        prompt_seqs = [torch.tensor(prompt_ids(p), dtype=torch.long) for p in prompts]
         ids, mask = left_pad(prompt_seqs, self._pad)
         if params.n > 1:
             ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
@@ -84,7 +90,7 @@ class HFGenerator:
             length = int(lengths[row])
             text = texts[row]
             if params.stop:
-                text = _cut_at_stop(text, params.stop)
+                text = cut_at_stop(text, params.stop)
             out.append(
                 Rollout(
                     prompt_id=prompts[group].id,
@@ -200,13 +206,13 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _ids(prompt: Prompt) -> list[int]:
+def prompt_ids(prompt: Prompt) -> list[int]:
     if prompt.input_ids is None:
         raise ValueError(f"prompt {prompt.id!r} has no input_ids: load it through rltune.data")
     return prompt.input_ids
 
 
-def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     """Text up to the first stop string (the stop string itself is kept out)."""
     cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
     return text[:cut]

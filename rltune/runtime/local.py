@@ -101,7 +101,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | Non
     if roles is None:
         learner = LocalLearner(model, objective, cfg.train, **learner_options(cfg, algorithm, model))
         # preference runs are judged without generating (a reward model cannot)
-        generator = None if cfg.algo.name in PREFERENCE_METHODS else make_generator(cfg, model, tokenizer, rng, make_env)
+        generator = None if cfg.algo.name in PREFERENCE_METHODS else make_generator(cfg, model_dir, model, tokenizer, rng, make_env)
         scorer, state = _scorer(cfg, reward_fns), LocalState(generators=generators)
     else:
         del generators["sampling"]  # each generator actor samples with its own stream
@@ -122,7 +122,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | Non
         eval_prompts=eval_prompts,
         pad_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
-        shared_weights=roles is None,
+        shared_weights=roles is None and cfg.rollout.engine == "hf",  # vLLM holds its own copy
         state=state,
         collate=None if algorithm.online else partial(collate_sft, pad_id=tokenizer.pad_token_id),
         data_warnings=warnings,
@@ -138,7 +138,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | Non
     if cfg.runtime.max_staleness > 0:
         if run.shared_weights:
             # the producer generates on its own copy while the learner updates the original
-            run.generator = make_generator(cfg, copy.deepcopy(model).eval(), tokenizer, rng, make_env)
+            run.generator = make_generator(cfg, model_dir, copy.deepcopy(model).eval(), tokenizer, rng, make_env)
             run.shared_weights = False
         run.rollouts = rollouts_ahead(run, cfg.runtime.max_staleness)
     return run
@@ -216,9 +216,21 @@ def _reference_fn(cfg: Config, model_dir: str, policy: torch.nn.Module | None):
     return partial(predict, reference, logprobs_only, **kwargs)
 
 
-def make_generator(cfg: Config, model, tokenizer, rng: torch.Generator, make_env):
-    """The model's sampler; with an environment, episodes of it played by the sampler."""
-    sampler = HFGenerator(model, tokenizer, rng=rng)
+def make_generator(cfg: Config, model_dir: str, model, tokenizer, rng: torch.Generator, make_env):
+    """The sampler ``rollout.engine`` names: rltune's on ``model``, or a vLLM engine with
+    its own copy of ``model_dir`` (``model`` unused; may be None). With an environment,
+    episodes of it played by the sampler."""
+    if cfg.rollout.engine == "vllm":
+        from rltune.rollout.vllm import VLLMGenerator, engine_args
+
+        sampler = VLLMGenerator(
+            model_dir, tokenizer, dtype=cfg.model.dtype, rng=rng, seed=int(rng.initial_seed()),
+            trust_remote_code=cfg.model.trust_remote_code, engine_args=engine_args(cfg.rollout.vllm),
+        )
+        stops = sampler.eos_ids
+    else:
+        sampler = HFGenerator(model, tokenizer, rng=rng)
+        stops = eos_ids(model, tokenizer)
     if make_env is None:
         return sampler
     return EpisodeGenerator(
@@ -229,7 +241,7 @@ def make_generator(cfg: Config, model, tokenizer, rng: torch.Generator, make_env
             use_chat_template=cfg.data.chat_template,
         ),
         max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
-        eos_ids=eos_ids(model, tokenizer),
+        eos_ids=stops,
     )
 
 

@@ -47,8 +47,9 @@ ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 
 
 class GeneratorWorker:
-    """One generator actor: the policy (from ``model_dir``, LoRA as configured), the
-    tokenizer, the environment when there is one, and its own sampling stream."""
+    """One generator actor: the policy (from ``model_dir``, LoRA as configured; or a vLLM
+    engine of its own with ``rollout.engine: vllm``), the tokenizer, the environment when
+    there is one, and its own sampling stream."""
 
     def __init__(self, cfg: Config, model_dir: str, config_dir: str | None, seed: int, threads: int) -> None:
         from rltune.envs.loading import load_env_factory
@@ -62,8 +63,10 @@ class GeneratorWorker:
             base = Path(config_dir) if config_dir else None
             make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=base)
         self.rng = torch.Generator().manual_seed(seed)
-        self.model = load_policy(cfg, model_dir).eval()
-        self.generator = make_generator(cfg, self.model, tokenizer, self.rng, make_env)
+        self.model = load_policy(cfg, model_dir).eval() if cfg.rollout.engine == "hf" else None
+        self.generator = make_generator(cfg, model_dir, self.model, tokenizer, self.rng, make_env)
+        self.sampler = getattr(self.generator, "generator", self.generator)
+        """The sampler itself (inside an environment's episode generator, when there is one)."""
         self.channel = None
 
     def pid(self) -> int:
@@ -78,13 +81,19 @@ class GeneratorWorker:
 
     def open_channel(self, addr: str, port: int, rank: int, world: int) -> Any:
         """Join a weight channel as receiver ``rank`` (``runtime.weight_sync: broadcast``);
-        returns the layout of this model's weights."""
+        returns the layout of the weights this generator takes."""
         from rltune.runtime.ray.sync import WeightChannel, layout
 
         self.close_channel()
-        device = next(self.model.parameters()).device
+        if self.model is None:  # vLLM: the engine's GPU, the learner's (HF) layout
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            mine = self.sampler.layout()
+        else:
+            device = next(self.model.parameters()).device
+            mine = layout(self.model.state_dict())
         self.channel = WeightChannel(addr, port, rank, world, device=device)
-        return layout(self.model.state_dict())
+        self.layout = mine
+        return mine
 
     def close_channel(self) -> None:
         channel, self.channel = self.channel, None
@@ -92,13 +101,19 @@ class GeneratorWorker:
             channel.close()
 
     def receive_weights(self) -> int:
-        """Receive the weights broadcast on the channel into the model; returns the policy
-        version the sender announced with them."""
-        version = self.channel.receive_into(self.model.state_dict())
+        """Receive the weights broadcast on the channel into the model (into the vLLM
+        engine bucket by bucket); returns the policy version the sender announced."""
+        if self.model is None:
+            version, buckets = self.channel.receive_buckets(self.layout)
+            self.sampler.load_buckets(buckets)
+        else:
+            version = self.channel.receive_into(self.model.state_dict())
         self.generator.load_weights(version, None)
         return version
 
     def weights(self) -> dict[str, torch.Tensor]:
+        if self.model is None:
+            raise RuntimeError("a vLLM generator's weights are the engine's own; read them there")
         return self.model.state_dict()
 
     def rng_state(self) -> torch.Tensor:

@@ -13,7 +13,7 @@ channel is torn down everywhere and formed again with its replacement.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,30 @@ class WeightChannel:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
         return int(version)
+
+    def receive_buckets(self, layout: Layout) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
+        """The other ranks, for a receiver whose weights are not laid out as the sender's
+        (a vLLM engine): the version, and an iterator that receives one bucket at a time
+        as ``(name, tensor)`` views of a fresh buffer, for the receiver to load before the
+        next arrives (so at most one bucket is held). Consume the iterator to the end."""
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(version)
+        specs = {name: (shape, getattr(torch, dtype.removeprefix("torch."))) for name, shape, dtype in layout}
+        meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in specs.items()}
+
+        def each() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for names in buckets(meta):
+                dtype = specs[names[0]][1]
+                flat = torch.empty(sum(meta[n].numel() for n in names), dtype=dtype, device=self.device)
+                self._broadcast(flat)
+                views, offset = [], 0
+                for n in names:
+                    size = meta[n].numel()
+                    views.append((n, flat[offset : offset + size].view(specs[n][0])))
+                    offset += size
+                yield views
+
+        return int(version), each()
 
     def close(self) -> None:
         """Leave the group (the other members' next broadcast fails rather than hangs)."""
