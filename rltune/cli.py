@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -64,7 +65,7 @@ def _train_on_ray(cfg, config_dir: Path, console: Console):
     try:
         return run_ray(cfg, config_dir=config_dir)
     except RayRuntimeError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         return None
 
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args, console)
     except _user_errors() as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
         return 2
     except KeyboardInterrupt:
         console.print("interrupted")

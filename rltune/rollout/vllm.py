@@ -44,7 +44,7 @@ def vllm_missing() -> str | None:
     try:
         import vllm  # noqa: F401
     except ImportError as err:
-        return f"vLLM is not installed ({err}); pip install 'rltune[vllm]' on a GPU machine"
+        return f"vLLM is not installed ({err}): pip install 'rltune[vllm]' on a GPU machine; `make test-vllm` tries vLLM's CPU build"
     return None
 
 

@@ -12,8 +12,6 @@ at the sampling temperature); greedy decoding repeats itself; stop strings cut t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -43,9 +41,8 @@ def generator(request: pytest.FixtureRequest, model_dir: str, tmp_path_factory: 
 
         if (missing := vllm_missing()) is not None:
             pytest.skip(missing)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on vLLM's CPU build
         yield VLLMGenerator(model_dir, load_tokenizer(model_dir), rng=torch.Generator().manual_seed(0),
-                            engine_args={"max_model_len": 256, "gpu_memory_utilization": 0.3})
+                            engine_args={"max_model_len": 256, "kv_cache_memory_bytes": 2**28})
         return
     if kind != "ray":
         yield HFGenerator(load_model(model_dir).eval(), load_tokenizer(model_dir),

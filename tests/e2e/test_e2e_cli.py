@@ -14,6 +14,7 @@ import yaml
 import rltune.runtime.local
 from rltune.cli import main
 from rltune.config import load_config
+from rltune.rollout.vllm import vllm_missing
 from cli_check import fails
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
@@ -232,3 +233,11 @@ def test_successful_run_writes_its_files(capsys, config_file, tmp_path):
         expected = digits / len(s["completion"]) if s["completion"] else 0.0
         assert s["rewards"] == {"digit_share": pytest.approx(expected, abs=1e-12)}
         assert s["reward"] == s["rewards"]["digit_share"]
+
+
+@pytest.mark.skipif(vllm_missing() is None, reason="vLLM is installed here")
+def test_vllm_engine_without_vllm_says_how_to_install_it(capsys, config_file):
+    # the message's brackets (an extra's name) reach the terminal as written
+    err = fails(capsys, ["train", str(config_file()), "rollout.engine=vllm"])
+    assert "rollout.engine=vllm: vLLM is not installed" in err
+    assert "pip install 'rltune[vllm]'" in err

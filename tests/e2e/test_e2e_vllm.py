@@ -6,7 +6,6 @@ test-vllm`` runs it on vLLM's CPU build."""
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import pytest
@@ -18,10 +17,9 @@ from rltune.runtime.loop import train
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
 
-def test_grpo_on_vllm_learns_from_the_weights_it_was_given(tiny_grpo_config, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+def test_grpo_on_vllm_learns_from_the_weights_it_was_given(tiny_grpo_config) -> None:
     cfg = tiny_grpo_config("rollout.engine=vllm", "rollout.vllm.max_model_len=128",
-                           "rollout.vllm.gpu_memory_utilization=0.3")
+                           "rollout.vllm.engine_args.kv_cache_memory_bytes=268435456")
     history = train(build_run(cfg))
     curve = [m["reward/mean"] for m in history]
     first, last = statistics.mean(curve[:5]), statistics.mean(curve[-5:])
