@@ -445,11 +445,6 @@ class Config(_Section):
                     "algo.importance_correction to token-truncate or seq-mask so the loss "
                     "weighs them by the engine's log-probs"
                 )
-        if self.runtime.mode == "ray" and name in ("dpo", "simpo", "reward_model"):
-            raise ValueError(
-                f"runtime.mode=ray runs algorithms whose learner needs only its batches; "
-                f"{name} evaluates its model in the driver: use runtime.mode=local"
-            )
         if self.rollout.engine == "vllm" and self.model.lora is not None:
             raise ValueError(
                 "rollout.engine=vllm loads whole weights into the engine; model.lora trains "

@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from rltune.algos import (
     Algorithm,
@@ -46,6 +47,26 @@ def logprob_forward(
 logprobs_only = partial(logprob_forward, with_entropy=False)
 """The forward of no-grad passes (old and reference log-probs): no entropy to compute."""
 
+
+
+def through_forward(model: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(module, *args)`` run as ``model``'s forward, for a forward that reads the
+    module's parts rather than calling it (a reward model's head on the last token).
+
+    Called through ``model(...)``, the call passes the hooks a distributed wrapper relies
+    on: DDP's (without its forward, the backward would not all-reduce) and FSDP2's root
+    (which gathers the unsharded top-level weights). ``model`` is the module itself or a
+    DDP wrapper around it (``fn`` then gets the wrapped module)."""
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    own = module.__dict__.get("forward")
+    module.forward = lambda *a: fn(module, *a)
+    try:
+        return model(*args)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 @dataclass(frozen=True)
 class Objective:

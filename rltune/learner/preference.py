@@ -41,7 +41,7 @@ from rltune.algos import bradley_terry_loss, dpo_loss, masked_mean, simpo_loss
 from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
-from rltune.learner.objectives import Objective
+from rltune.learner.objectives import Objective, through_forward
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
 from rltune.models.reward_model import sequence_scores
 
@@ -161,8 +161,9 @@ def score_forward(
     model: torch.nn.Module, mb: TrainBatch, *, temperature: float, router_logits: bool
 ) -> ScoreOutput:
     """The reward model's score of every row (``temperature`` and ``router_logits`` do not
-    apply to a score)."""
-    return ScoreOutput(scores=sequence_scores(model, mb.input_ids, mb.attention_mask))
+    apply to a score). Through the model's forward, so a DDP or FSDP2 learner group
+    synchronises it."""
+    return ScoreOutput(scores=through_forward(model, sequence_scores, mb.input_ids, mb.attention_mask))
 
 
 # ---------------------------------------------------------------- implied rewards

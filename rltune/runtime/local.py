@@ -19,9 +19,9 @@ from rltune.data.loaders import load_prompts
 from rltune.data.collate import collate_sft
 from rltune.data.sampler import PromptSampler
 from rltune.learner.learner import LocalLearner, predict
-from rltune.learner.objectives import build_objective, logprobs_only, value_objective
+from rltune.learner.objectives import Objective, build_objective, logprobs_only, value_objective
 from rltune.models.load import load_model, load_tokenizer, resolve_model, router_aux_loss_coef
-from rltune.learner.preference import PREFERENCE_METHODS
+from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.models.lora import adapters_disabled, apply_lora, is_lora
 from rltune.models.value import load_critic
 from rltune.rewards.scorer import LocalScorer, build_reward_fns
@@ -128,7 +128,8 @@ def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | Non
         data_warnings=warnings,
     )
     if cfg.algo.name in PREFERENCE_METHODS:
-        run.collate, run.evaluate_model = parts.collate, parts.evaluate
+        run.collate = parts.collate
+        run.evaluate_model = partial(_evaluate_preferences, parts, local=roles is None)
     if algorithm.online and algorithm.requires_reference(cfg.algo.kl_coef):
         run.reference_logprobs = _reference_fn(cfg, model_dir, model)
     if algorithm.needs_critic:
@@ -169,21 +170,44 @@ def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
     return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
 
 
+def learner_model(cfg: Config, model_dir: str) -> torch.nn.Module:
+    """The model the learner trains, as :func:`build_run` loads it: the policy, or for a
+    preference method its model (a reward model for reward_model), LoRA as configured."""
+    if cfg.algo.name in PREFERENCE_METHODS:
+        model = load_preference_model(cfg, model_dir)
+        return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
+    return load_policy(cfg, model_dir)
+
+
+def learner_objective(cfg: Config, algorithm: Algorithm) -> Objective:
+    """The learner's objective: the preference method's, or the policy learner's."""
+    if cfg.algo.name in PREFERENCE_METHODS:
+        return preference_method(cfg.algo.name).objective(cfg.algo)
+    return build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+
+
 def _preference_parts(cfg: Config, model_dir: str, tokenizer, run_dir: Path) -> PreferenceParts:
     """DPO, SimPO, reward model: the model (LoRA-wrapped when configured, so that DPO's
     reference is the base with adapters off), pairs, objective and held-out evaluation.
     DPO's reference log-probs are computed here, before any checkpoint is restored."""
     model = None
     if cfg.model.lora is not None:
-        model = _preference_model(cfg, model_dir)
+        model = learner_model(cfg, model_dir)
     return build_preference_parts(
         cfg, model_dir=model_dir, tokenizer=tokenizer, run_dir=run_dir,
         reference_context=adapters_disabled if model is not None else None, model=model,
     )
 
 
-def _preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
-    return apply_lora(load_preference_model(cfg, model_dir), cfg.model.lora)
+def _evaluate_preferences(parts: PreferenceParts, learner: Any, *, local: bool) -> dict[str, float]:
+    """Held-out preference metrics of the learner's model: its own module here, or, with
+    the learner elsewhere, the driver's copy (``parts.model``) with its newest weights."""
+    if local:
+        return parts.evaluate(learner.model)
+    if not parts.eval_prompts:
+        return {}
+    parts.model.load_state_dict(learner.fetch_weights())
+    return parts.evaluate(parts.model)
 
 
 def _build_critic(cfg: Config, model_dir: str, updates: int) -> LocalLearner:

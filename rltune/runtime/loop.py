@@ -74,7 +74,7 @@ class Run:
     collate: Any = None
     """Offline algorithms: ``(prompts) -> TrainBatch``."""
     evaluate_model: Any = None
-    """``(model) -> metrics`` on the held-out split, for runs not judged by generating
+    """``(learner) -> metrics`` on the held-out split, for runs not judged by generating
     (preference methods); None evaluates by generating and scoring ``eval_prompts``."""
     state: Any = None
     """What a checkpoint restores besides the model: see ``runtime/state.py``."""
@@ -324,7 +324,7 @@ def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
 def _evaluate(run: Run, bar: ConsoleProgress) -> dict[str, float]:
     cfg = run.cfg
     if run.evaluate_model is not None:
-        metrics = run.evaluate_model(run.learner.model)
+        metrics = run.evaluate_model(run.learner)
     else:
         metrics = evaluate(
             run.generator, run.scorer, run.eval_prompts,

@@ -43,11 +43,11 @@ from ray.exceptions import RayActorError
 from rltune.config import Config
 from rltune.data.records import TrainBatch
 from rltune.learner.distributed import DistributedLearner, init_group, shard_batch
-from rltune.learner.objectives import build_objective
 from rltune.metrics.types import Metric
 from rltune.runtime.local import (
+    learner_model,
+    learner_objective,
     learner_options,
-    load_policy,
     lookup_algorithm,
     seed_everything,
 )
@@ -97,9 +97,9 @@ class LearnerActor:
 
     Joins the torch.distributed group at ``master_addr:master_port`` as ``rank`` of
     ``world`` and builds the policy learner from ``cfg`` as ``build_run`` does: seeded
-    with ``train.seed``, the model from ``model_dir`` (``load_policy``: LoRA when
-    configured), the objective of ``algo``, the options of ``learner_options``. Every
-    method that the group calls on all ranks must be called on all ranks together.
+    with ``train.seed``, the model from ``model_dir`` (``learner_model``: LoRA when
+    configured; a preference method's model), the objective of ``algo``, the options of
+    ``learner_options``. Every method that the group calls on all ranks must be called on all ranks together.
     ``threads``: torch's intra-op threads (the actor's reserved CPUs, which take the place
     of ``train.threads`` here)."""
 
@@ -120,8 +120,8 @@ class LearnerActor:
         self.strategy = cfg.runtime.placement.learner_strategy
         seed_everything(cfg.train.seed)
         algorithm = lookup_algorithm(cfg.algo.name)
-        model = load_policy(cfg, model_dir)
-        objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+        model = learner_model(cfg, model_dir)
+        objective = learner_objective(cfg, algorithm)
         self.learner = DistributedLearner(
             model, objective, cfg.train, strategy=self.strategy, **learner_options(cfg, algorithm, model)
         )
@@ -279,10 +279,10 @@ class RayLearnerGroup:
     ) -> None:
         algorithm = lookup_algorithm(cfg.algo.name)
         try:  # refuses the algorithms with a learner of their own before any actor starts
-            objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+            objective = learner_objective(cfg, algorithm)
         except ValueError as err:
             raise ValueError(f"RayLearnerGroup: {err}; the Ray learner group trains the policy "
-                             "learner's algorithms (those that generate, and SFT)") from None
+                             "learner's algorithms (those that generate, SFT and the preference methods)") from None
         self.unit = objective.unit
         self.world = cfg.runtime.placement.learners
         if len(placement.index[ROLE]) < self.world:

@@ -20,7 +20,7 @@ import torch
 from rltune.checkpoint.export import export_hf
 from rltune.checkpoint.store import latest_checkpoint
 from rltune.config import Config
-from rltune.runtime.local import build_run, load_policy
+from rltune.runtime.local import build_run, learner_model
 from rltune.runtime.loop import Run, train
 from rltune.runtime.ray.cluster import (
     Placement,
@@ -145,6 +145,6 @@ def _export_final(cfg: Config, run: Run) -> None:
     """The final model as a plain HF directory, from the learner group's weights."""
     from rltune.models.load import resolve_model
 
-    model = load_policy(cfg, resolve_model(cfg.model.path))
+    model = learner_model(cfg, resolve_model(cfg.model.path))
     model.load_state_dict(run.learner.fetch_weights())
     export_hf(model, run.tokenizer, run.run_dir / "final")
