@@ -19,39 +19,26 @@ generator count is measured; the ratio is to staleness 0 with one generator.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from runs import train_rows
+
 WARMUP = 3
-REWARD = '''
-def digit_share(prompt, completion, **meta):
-    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
-'''
 
 
 def run(staleness: int, steps: int, root: Path, threads: int, generators: int | None = None) -> dict[str, float]:
-    (root / "r.py").write_text(REWARD)
-    (root / "c.yaml").write_text("name: bench\n")
     overrides = [
         "model.path=builtin:tiny", "algo.name=grpo", "algo.group_size=4",
         "algo.importance_correction=token-truncate", f"runtime.max_staleness={staleness}",
-        "data.train=builtin:arith/train", f"reward.0.fn={root / 'r.py'}:digit_share",
+        "data.train=builtin:arith/train",
         "rollout.max_new_tokens=8", f"train.steps={steps}", "train.prompts_per_step=32",
-        "train.lr=1e-4", f"log.dir={root / 'runs'}", "log.console=false", "checkpoint.final=false",
-        f"train.threads={threads}",
+        "train.lr=1e-4", f"train.threads={threads}",
     ]
     if generators is not None:
         overrides += ["runtime.mode=ray", f"runtime.placement.generators={generators}"]
-    done = subprocess.run([sys.executable, "-m", "rltune.cli", "train", str(root / "c.yaml"), *overrides],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"the run with max_staleness={staleness}, generators={generators} failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (root / "runs" / "bench" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "time/step" in r][WARMUP:]
+    rows = train_rows(root, overrides, what=f"max_staleness={staleness}, generators={generators}")[WARMUP:]
     step_s = statistics.median(r["time/step"] for r in rows)
     return {
         "samples_per_s": 32 * 4 / step_s,
