@@ -181,6 +181,13 @@ class DataConfig(_Section):
     shuffle: bool = True
 
 
+VLLM_RESERVED_ARGS = frozenset({
+    "model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls",
+    "tensor_parallel_size", "distributed_executor_backend", "trust_remote_code",
+})
+"""``vllm.LLM`` arguments the vLLM generator sets itself (from ``model``, ``train.seed``, ...)."""
+
+
 class VLLMConfig(_Section):
     """The vLLM engine of ``rollout.engine: vllm`` (one per generator, on one GPU)."""
 
@@ -192,7 +199,14 @@ class VLLMConfig(_Section):
     enforce_eager: bool = False
     """True: no CUDA graphs (quicker start, slower decoding)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Further ``vllm.LLM`` keyword arguments, passed as they are."""
+    """Further ``vllm.LLM`` keyword arguments, passed as they are (not those in
+    ``VLLM_RESERVED_ARGS``, which rltune sets)."""
+
+    @model_validator(mode="after")
+    def _not_ours(self) -> "VLLMConfig":
+        if clash := sorted(VLLM_RESERVED_ARGS & set(self.engine_args)):
+            raise ValueError(f"rollout.vllm.engine_args: {clash} are set by rltune (model.*, train.seed), not here")
+        return self
 
 
 class RolloutConfig(_Section):

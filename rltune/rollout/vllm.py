@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rltune.config import ConfigError
+from rltune.config.schema import VLLM_RESERVED_ARGS
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.rollout.hf import cut_at_stop, generation_eos_ids, prompt_ids
 
@@ -116,10 +117,8 @@ class VLLMGenerator:
         from vllm import LLM
 
         args = dict(engine_args or {})
-        fixed = {"model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls",
-                 "tensor_parallel_size", "distributed_executor_backend", "trust_remote_code"}
-        if clash := sorted(fixed & set(args)):
-            raise ValueError(f"rollout.vllm.engine_args: {clash} are set by rltune, not by engine_args")
+        if clash := sorted(VLLM_RESERVED_ARGS & set(args)):
+            raise ConfigError(f"rollout.vllm.engine_args: {clash} are set by rltune, not by engine_args")
         try:
             self.llm = LLM(
                 model=model_dir, tokenizer=model_dir, dtype=dtype, seed=seed,
@@ -136,6 +135,7 @@ class VLLMGenerator:
         self.trust_remote_code = trust_remote_code
         self.rng = rng if rng is not None else torch.Generator().manual_seed(seed)
         self.version = 0
+        self._meta_model: torch.nn.Module | None = None
         self.eos_ids = generation_eos_ids(_generation_config(model_dir), tokenizer)
         """Tokens that end a completion, as :func:`~rltune.rollout.hf.eos_ids` gives them."""
 
@@ -143,6 +143,13 @@ class VLLMGenerator:
         """Copy ``tensors`` (every weight, HF names, any device) into the engine's
         weights, then sample as policy ``version``."""
         if tensors is not None:
+            # vLLM reloads layer by layer and processes a layer once all its weights came:
+            # a partial update would leave layers unloaded, so it is refused up front
+            if missing := sorted(self.required_names() - set(tensors)):
+                raise ValueError(
+                    f"VLLMGenerator.load_weights takes the whole model; {len(missing)} weight(s) "
+                    f"missing, e.g. {missing[:3]}"
+                )
             self.load_buckets([tensors.items()])
         self.version = version
 
@@ -171,16 +178,32 @@ class VLLMGenerator:
         """The name, shape and dtype of each weight in the HF layout the learner sends
         (the engine's own are fused differently), from the model's config on the meta
         device: what a broadcast channel must carry."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from rltune.runtime.ray.sync import layout
 
-        config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(
-                config, torch_dtype=getattr(torch, self.dtype), trust_remote_code=self.trust_remote_code
-            )
-        return layout(skeleton.state_dict())
+        return layout(self._skeleton().state_dict())
+
+    def required_names(self) -> set[str]:
+        """The HF names a whole update must hold: one of each set of tied names (vLLM
+        loads a tied weight once), every other weight."""
+        seen: set[int] = set()
+        names = set()
+        for name, tensor in self._skeleton().state_dict(keep_vars=True).items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                names.add(name)
+        return names
+
+    def _skeleton(self) -> torch.nn.Module:
+        """The HF model of ``model_dir`` on the meta device (built once)."""
+        if self._meta_model is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
+            with torch.device("meta"):
+                self._meta_model = AutoModelForCausalLM.from_config(
+                    config, torch_dtype=getattr(torch, self.dtype), trust_remote_code=self.trust_remote_code
+                )
+        return self._meta_model
 
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0

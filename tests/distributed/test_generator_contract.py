@@ -137,3 +137,14 @@ def test_loaded_weights_are_the_ones_sampled_from(generator, model_dir, referenc
             torch.testing.assert_close(r.completion_logprobs, torch.full_like(r.completion_logprobs, -torch.log(torch.tensor(float(vocab)))))
     finally:
         generator.load_weights(0, reference.state_dict())
+
+
+def test_an_engine_with_its_own_layout_refuses_a_partial_update(generator, model_dir, reference) -> None:
+    if not hasattr(generator, "required_names"):
+        pytest.skip("this generator takes any subset of the weights (it copies them by name)")
+    partial = {k: v for k, v in reference.state_dict().items() if ".layers.0." not in k}
+    with pytest.raises(ValueError, match=r"takes the whole model; \d+ weight\(s\) missing, e.g. \['model.layers.0."):
+        generator.load_weights(5, partial)
+    assert generator.version != 5
+    out = generator.generate(prompts(model_dir, TEXTS[:1]), SamplingParams(n=1, max_new_tokens=4, temperature=0.0))
+    assert len(out) == 1  # the engine still samples

@@ -71,3 +71,8 @@ def test_without_vllm_the_generator_says_how_to_get_it() -> None:
     with pytest.raises(VLLMUnavailable, match=r"rollout.engine=vllm: vLLM is not installed .*pip install 'rltune\[vllm\]'"):
         VLLMGenerator("unused", None)
     assert issubclass(VLLMUnavailable, ConfigError)  # shown as one line by the CLI
+
+
+def test_the_config_refuses_engine_arguments_rltune_sets() -> None:
+    with pytest.raises(ConfigError, match=r"engine_args: \['seed', 'tensor_parallel_size'\] are set by rltune"):
+        config("rollout.vllm.engine_args.seed=3", "rollout.vllm.engine_args.tensor_parallel_size=2")
