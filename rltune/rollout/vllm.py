@@ -174,13 +174,11 @@ class VLLMGenerator:
                 what = f" ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
             raise ValueError(f"vLLM's model did not take the weights{what}: {type(err).__name__}: {err}") from err
 
-    def layout(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """The name, shape and dtype of each weight in the HF layout the learner sends
-        (the engine's own are fused differently), from the model's config on the meta
-        device: what a broadcast channel must carry."""
-        from rltune.runtime.ray.sync import layout
-
-        return layout(self._skeleton().state_dict())
+    def meta_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight in the HF layout the learner sends (the engine's own are fused
+        differently), as meta tensors of the right names, shapes and dtypes: what a
+        broadcast channel must carry."""
+        return self._skeleton().state_dict()
 
     def required_names(self) -> set[str]:
         """The HF names a whole update must hold: one of each set of tied names (vLLM

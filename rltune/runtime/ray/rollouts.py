@@ -87,7 +87,7 @@ class GeneratorWorker:
         self.close_channel()
         if self.model is None:  # vLLM: the engine's GPU, the learner's (HF) layout
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            mine = self.sampler.layout()
+            mine = layout(self.sampler.meta_weights())
         else:
             device = next(self.model.parameters()).device
             mine = layout(self.model.state_dict())
