@@ -24,6 +24,9 @@ from rltune.rewards.judge import JudgeError, llm_judge, parse_score, prompt_text
 
 KEY_ENV, KEY = "RLTUNE_TEST_JUDGE_KEY", "sekrit-123"
 FAST = {"backoff_s": 0.01, "timeout_s": 5.0}
+GATHER_S = 4.0
+"""How long the server holds a "gather-N" request for the rest of its batch (below the
+client's timeout; the longer, the less a loaded machine can split a batch)."""
 
 
 class JudgeServer(ThreadingHTTPServer):
@@ -94,11 +97,11 @@ class JudgeHandler(BaseHTTPRequestHandler):
             return self._send(200, b'{"choices": []}')
         if mode == "slow":
             self.server.stop.wait(3.0)
-        if mode.startswith("gather-"):  # hold requests until N have arrived (or 2 s pass)
+        if mode.startswith("gather-"):  # hold requests until N have arrived (or GATHER_S pass)
             n = int(mode[7:])
             batch_end = -(-self.arrival // n) * n
             with self.server.lock:
-                self.server.lock.wait_for(lambda: self.server.arrived >= batch_end, 2.0)
+                self.server.lock.wait_for(lambda: self.server.arrived >= batch_end, GATHER_S)
         reply = "I cannot decide." if mode == "mute" else f"Fine work.\nScore: {content.count('x')}"
         self._send(200, json.dumps({
             "id": "chatcmpl-1", "object": "chat.completion", "model": mode,
@@ -230,8 +233,8 @@ def test_an_unreachable_judge_is_an_error(server) -> None:
 
 
 def test_requests_overlap_up_to_the_concurrency(server) -> None:
-    # The server holds requests back until 8 have arrived (or 2 s pass): requests sent
-    # together are all answered at once; sent one after another, each waits 2 s.
+    # The server holds requests back until 8 have arrived (or GATHER_S pass): requests sent
+    # together are all answered at once; sent one after another, each would wait GATHER_S.
     start = time.perf_counter()
     got = judge(server, prompts(8), ["x" * i for i in range(8)], mode="gather-8", concurrency=8)
     elapsed = time.perf_counter() - start
