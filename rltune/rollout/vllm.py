@@ -65,12 +65,10 @@ class WeightLoader:
             with self._rltune_config():
                 reload.initialize_layerwise_reload(self.get_model())  # type: ignore[attr-defined]
 
-    def rltune_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named ``weights`` into the engine's model; returns how many tensors of
-        the model's they filled."""
+    def rltune_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named ``weights`` into the engine's model."""
         with self._rltune_config():
-            loaded = self.get_model().load_weights(weights=iter(weights))  # type: ignore[attr-defined]
-        return len(loaded) if loaded is not None else len(weights)
+            self.get_model().load_weights(weights=iter(weights))  # type: ignore[attr-defined]
 
     def rltune_finish_update(self) -> None:
         reload = _reload_helpers()
@@ -159,8 +157,7 @@ class VLLMGenerator:
         version is unchanged."""
         self._rpc("rltune_start_update")
         for bucket in buckets:
-            named = list(bucket)
-            self._rpc("rltune_load_weights", named)
+            self._rpc("rltune_load_weights", list(bucket))
         self._rpc("rltune_finish_update")
         self.llm.reset_prefix_cache()
 
@@ -229,25 +226,27 @@ class VLLMGenerator:
         for i, prompt in enumerate(prompts):
             mine = outputs[i * copies : (i + 1) * copies]
             completions = [c for out in mine for c in sorted(out.outputs, key=lambda c: c.index)]
+            prompt_tensor = torch.tensor(list(mine[0].prompt_token_ids), dtype=torch.long)
             if len(completions) != params.n:
                 raise RuntimeError(f"vLLM returned {len(completions)} samples of prompt {prompt.id!r}, not {params.n}")
             for c in completions:
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM ended a sample of prompt {prompt.id!r} with {c.finish_reason!r}")
-                samples.append((group_offset + i, prompt, mine[0].prompt_token_ids, c))
+                samples.append((group_offset + i, prompt, prompt_tensor, c))
         return self._rollouts(samples, params)
 
-    def _rollouts(self, samples: list[tuple[int, Prompt, Sequence[int], Any]], params: SamplingParams) -> list[Rollout]:
-        """Rollouts from ``(group, prompt, prompt token ids, vLLM CompletionOutput)``."""
+    def _rollouts(self, samples: list[tuple[int, Prompt, torch.Tensor, Any]], params: SamplingParams) -> list[Rollout]:
+        """Rollouts from ``(group, prompt, prompt token ids, vLLM CompletionOutput)``; the
+        samples of one prompt share its ids tensor (as rltune's sampler's share a row)."""
         texts = self.tokenizer.batch_decode([list(c.token_ids) for *_, c in samples], skip_special_tokens=True)
         rollouts = []
-        for (group, prompt, prompt_token_ids, c), text in zip(samples, texts):
+        for (group, prompt, prompt_tensor, c), text in zip(samples, texts):
             ids = torch.tensor(list(c.token_ids), dtype=torch.long)
             rollouts.append(
                 Rollout(
                     prompt_id=prompt.id,
                     group=group,
-                    prompt_ids=torch.tensor(list(prompt_token_ids), dtype=torch.long),
+                    prompt_ids=prompt_tensor,
                     completion_ids=ids,
                     completion_logprobs=sampled_logprobs(c.token_ids, c.logprobs),
                     loss_mask=torch.ones(len(ids)),

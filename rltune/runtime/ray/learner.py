@@ -99,7 +99,8 @@ class LearnerActor:
     ``world`` and builds the policy learner from ``cfg`` as ``build_run`` does: seeded
     with ``train.seed``, the model from ``model_dir`` (``learner_model``: LoRA when
     configured; a preference method's model), the objective of ``algo``, the options of
-    ``learner_options``. Every method that the group calls on all ranks must be called on all ranks together.
+    ``learner_options``. Every method that the group calls on all ranks must be called on
+    all ranks together.
     ``threads``: torch's intra-op threads (the actor's reserved CPUs, which take the place
     of ``train.threads`` here)."""
 

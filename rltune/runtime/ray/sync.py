@@ -84,39 +84,39 @@ class WeightChannel:
     def receive_into(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """The other ranks: receive the version and every bucket, copied into ``tensors``
         in place (a model's own parameters and buffers); returns the version."""
-        version = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(version)
+        version, received = self._receive(tensors)
         with torch.no_grad():
-            for names in buckets(tensors):
-                parts = [tensors[n] for n in names]
-                flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=self.device)
-                self._broadcast(flat)
-                offset = 0
-                for p in parts:
-                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-        return int(version)
+            for bucket in received:
+                for name, value in bucket:
+                    tensors[name].copy_(value)
+        return version
 
     def receive_buckets(self, layout: Layout) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
         """The other ranks, for a receiver whose weights are not laid out as the sender's
         (a vLLM engine): the version, and an iterator that receives one bucket at a time
         as ``(name, tensor)`` views of a fresh buffer, for the receiver to load before the
         next arrives (so at most one bucket is held). Consume the iterator to the end."""
+        shapes = {
+            name: torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device="meta")
+            for name, shape, dtype in layout
+        }
+        return self._receive(shapes)
+
+    def _receive(self, like: Mapping[str, torch.Tensor]) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
+        """Receive the version now, and return it with an iterator over the buckets of
+        tensors shaped as ``like``'s (any device, meta too), each received when reached."""
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(version)
-        specs = {name: (shape, getattr(torch, dtype.removeprefix("torch."))) for name, shape, dtype in layout}
-        meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in specs.items()}
 
         def each() -> Iterator[list[tuple[str, torch.Tensor]]]:
-            for names in buckets(meta):
-                dtype = specs[names[0]][1]
-                flat = torch.empty(sum(meta[n].numel() for n in names), dtype=dtype, device=self.device)
+            for names in buckets(like):
+                parts = [like[n] for n in names]
+                flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=self.device)
                 self._broadcast(flat)
                 views, offset = [], 0
-                for n in names:
-                    size = meta[n].numel()
-                    views.append((n, flat[offset : offset + size].view(specs[n][0])))
-                    offset += size
+                for name, p in zip(names, parts):
+                    views.append((name, flat[offset : offset + p.numel()].view(p.shape)))
+                    offset += p.numel()
                 yield views
 
         return int(version), each()
