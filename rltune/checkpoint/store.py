@@ -9,9 +9,16 @@ Layout of a checkpoint root (``runs/NAME/checkpoints``)::
 
 A save writes every file into ``.tmp-step-N-<random>``, fsyncs the files and the
 directory, renames it to ``step-N`` and only then writes ``COMPLETE`` (through its own
-temp file and rename). A directory without ``COMPLETE`` is an interrupted save: readers
-ignore it and the next save deletes it. Older checkpoints are pruned only after the new
-one is complete, so a crash at any point leaves the previous complete checkpoint loadable.
+temp file and rename). A ``step-N`` without ``COMPLETE`` is an interrupted save (or a copy
+someone made by hand): readers ignore it and the next save moves it aside to
+``.skipped-step-N-no-marker`` (never deleted: it may hold the only copy of something); a
+``.tmp-step-*`` dir is a save's own unfinished output and is deleted. Older checkpoints
+are pruned only after the new one is complete, so a crash at any point leaves the
+previous complete checkpoint loadable.
+
+:func:`load_newest` is what a resume uses: the newest checkpoint whose files verify,
+moving aside (``.skipped-step-N-corrupt``) each newer one that does not, and reporting
+every checkpoint it skipped.
 
 Saving a step that already exists complete moves the old directory aside to
 ``.replaced-step-N-<random>`` until the new one is complete; if the process dies in
@@ -29,11 +36,14 @@ import re
 import secrets
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from rltune.models.safetensors_io import load_tensors
 
 MARKER = "COMPLETE"
 META_FILE = "state.json"
@@ -43,6 +53,7 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TMP_DIR = re.compile(r"\.tmp-step-\d+-[0-9a-f]+")
 _REPLACED_DIR = re.compile(r"\.replaced-step-(\d+)-[0-9a-f]+")
+_SKIPPED_PREFIX = ".skipped-"
 _STEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _HASH_CHUNK = 1 << 20
 
@@ -110,15 +121,8 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     if not root.is_dir():
         raise CheckpointError(f"checkpoint root {root} exists but is not a directory")
-    best: tuple[tuple[int, bool], Path] | None = None
-    for entry in root.iterdir():
-        match = _STEP_DIR.fullmatch(entry.name) or _REPLACED_DIR.fullmatch(entry.name)
-        if match and _is_complete(entry):
-            # A complete step-N wins over a moved-aside copy of the same step.
-            rank = (int(match[1]), entry.name.startswith("step-"))
-            if best is None or rank > best[0]:
-                best = (rank, entry)
-    return None if best is None else best[1]
+    ranked = _complete_newest_first(root)
+    return ranked[0] if ranked else None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
@@ -144,12 +148,106 @@ def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
                 "the file is corrupt or was changed after the save"
             )
     tensors = {
-        name[: -len(TENSOR_SUFFIX)]: load_file(str(path / name), device="cpu")
+        name[: -len(TENSOR_SUFFIX)]: load_tensors(path / name, error=CheckpointError)
         for name in files
         if name.endswith(TENSOR_SUFFIX)
     }
     meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     return tensors, meta
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint a resume did not use, and where it was moved."""
+
+    path: Path
+    moved_to: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_newest` found: the checkpoint loaded (None: none there), its
+    contents, and the newer or unfinished ones it skipped."""
+
+    path: Path | None
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    skipped: tuple[Skipped, ...] = ()
+
+
+def load_newest(root: Path) -> Loaded:
+    """Load the newest complete checkpoint under ``root`` whose files verify.
+
+    Marker-less ``step-N`` dirs (an interrupted save) are moved aside first. Then the
+    complete ones are tried newest first; one that fails verification (a missing file, a
+    checksum mismatch, an unreadable marker) is skipped for the next older one, and
+    moved aside once an older one has loaded.
+
+    Raises:
+        CheckpointError: checkpoints were there but none loads; nothing complete is
+            moved then, so the user can look at them where they are.
+    """
+    root = Path(root)
+    skipped = [
+        Skipped(path, set_aside(path, "no-marker"), f"no {MARKER} marker: its save did not finish")
+        for path in incomplete_checkpoints(root)
+    ]
+    corrupt: list[tuple[Path, str]] = []
+    for path in _complete_newest_first(root):
+        try:
+            tensors, meta = load_checkpoint(path)
+        except CheckpointError as err:
+            corrupt.append((path, str(err)))
+            continue
+        skipped += [Skipped(bad, set_aside(bad, "corrupt"), reason) for bad, reason in corrupt]
+        return Loaded(path, tensors, meta, tuple(skipped))
+    if corrupt:
+        raise CheckpointError(
+            f"no checkpoint under {root} can be loaded: {'; '.join(reason for _, reason in corrupt)}; "
+            "continue from another copy (checkpoint.resume=PATH), or start afresh "
+            "(checkpoint.resume=never checkpoint.overwrite=true moves this run aside)"
+        )
+    return Loaded(None, skipped=tuple(skipped))
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    """``step-N`` dirs under ``root`` without a ``COMPLETE`` marker, newest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [(int(m[1]), entry) for entry in Path(root).iterdir()
+             if (m := _STEP_DIR.fullmatch(entry.name)) and entry.is_dir() and not _is_complete(entry)]
+    return [entry for _, entry in sorted(found, reverse=True)]
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename checkpoint dir ``path`` (``step-N`` or a moved-aside copy of it) to
+    ``.skipped-step-N-<reason>`` beside it (``-2``, ``-3``, ... when taken). Readers and
+    pruning ignore it; nothing in it is changed. Returns the new path."""
+    match = _STEP_DIR.fullmatch(path.name) or _REPLACED_DIR.fullmatch(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step-N)")
+    base = f"{_SKIPPED_PREFIX}step-{match[1]}-{reason}"
+    target, n = path.with_name(base), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{base}-{n}")
+    os.replace(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
+def _complete_newest_first(root: Path) -> list[Path]:
+    """Complete checkpoints, in the order :func:`latest_checkpoint` prefers them."""
+    if not root.is_dir():
+        return []
+    ranked = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name) or _REPLACED_DIR.fullmatch(entry.name)
+        if match and _is_complete(entry):
+            # a complete step-N wins over a moved-aside copy of the same step
+            ranked.append(((int(match[1]), entry.name.startswith("step-")), entry))
+    return [entry for _, entry in sorted(ranked, key=lambda item: item[0], reverse=True)]
 
 
 def check_json(value: Any, *, where: str) -> Any:
@@ -254,10 +352,11 @@ def _write_marker(final: Path, step: int, digests: dict[str, str]) -> None:
 
 
 def _recover(root: Path) -> None:
-    """Restore moved-aside copies whose step has no complete dir; delete debris.
+    """Restore moved-aside copies whose step has no complete dir; delete debris; move
+    marker-less ``step-N`` dirs aside.
 
-    Debris: ``.tmp-step-*`` dirs, marker-less ``step-N`` dirs, and moved-aside copies
-    made obsolete by a complete ``step-N``. Complete checkpoints are never touched.
+    Debris: ``.tmp-step-*`` dirs and moved-aside copies made obsolete by a complete
+    ``step-N``. Complete checkpoints are never touched.
     """
     for entry in sorted(root.iterdir()):
         match = _REPLACED_DIR.fullmatch(entry.name)
@@ -265,18 +364,16 @@ def _recover(root: Path) -> None:
             target = root / f"step-{match[1]}"
             if _is_complete(entry) and not _is_complete(target):
                 if target.exists():
-                    _remove(target)
+                    set_aside(target, "no-marker")
                 os.replace(entry, target)
                 _fsync_dir(root)
             else:
                 _remove(entry)
     for entry in root.iterdir():
-        if not entry.is_dir():
-            continue
-        stray_tmp = _TMP_DIR.fullmatch(entry.name)
-        incomplete = _STEP_DIR.fullmatch(entry.name) and not _is_complete(entry)
-        if stray_tmp or incomplete:
+        if entry.is_dir() and _TMP_DIR.fullmatch(entry.name):
             _remove(entry)
+    for entry in incomplete_checkpoints(root):
+        set_aside(entry, "no-marker")
 
 
 def _prune(root: Path, *, keep: int, current: int) -> None:

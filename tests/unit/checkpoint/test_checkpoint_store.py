@@ -96,7 +96,7 @@ def test_latest_uses_step_number_not_name_order(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
 
 
-def test_crash_leftovers_are_ignored_then_cleaned(tmp_path):
+def test_crash_leftovers_are_ignored_then_cleaned_or_moved_aside(tmp_path):
     _save(tmp_path, 2)
     # A crash while writing step 7 and a crash between rename and marker for step 9.
     (tmp_path / ".tmp-step-7-abcd").mkdir()
@@ -110,7 +110,9 @@ def test_crash_leftovers_are_ignored_then_cleaned(tmp_path):
         load_checkpoint(tmp_path / "step-9")
 
     _save(tmp_path, 3)
-    assert _names(tmp_path) == ["notes.txt", "step-2", "step-3"]
+    # the temp dir is the save's own debris; a marker-less step-N is moved aside, untouched
+    assert _names(tmp_path) == [".skipped-step-9-no-marker", "notes.txt", "step-2", "step-3"]
+    assert (tmp_path / ".skipped-step-9-no-marker" / "state.json").read_text() == "{}"
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
@@ -139,7 +141,7 @@ def _die_before_marker(*args, **kwargs):
     raise KeyboardInterrupt  # the process stops right after the rename
 
 
-def test_crash_before_marker_keeps_previous_and_next_save_cleans(tmp_path, monkeypatch):
+def test_crash_before_marker_keeps_previous_and_next_save_moves_it_aside(tmp_path, monkeypatch):
     _save(tmp_path, 1, keep=1)
 
     monkeypatch.setattr(store, "_write_marker", _die_before_marker)
@@ -150,7 +152,7 @@ def test_crash_before_marker_keeps_previous_and_next_save_cleans(tmp_path, monke
 
     monkeypatch.undo()
     _save(tmp_path, 3, keep=1)
-    assert _names(tmp_path) == ["step-3"]
+    assert _names(tmp_path) == [".skipped-step-2-no-marker", "step-3"]
 
 
 def test_resaving_a_step_replaces_it(tmp_path):
@@ -172,7 +174,8 @@ def test_interrupted_replacement_falls_back_to_old_copy(tmp_path, monkeypatch):
 
     monkeypatch.undo()
     _save(tmp_path, 4, keep=2, value=4.0)  # the next save puts the old copy back
-    assert _names(tmp_path) == ["step-3", "step-4"]
+    # and moves the unfinished new one aside (its files are complete, only the marker is missing)
+    assert _names(tmp_path) == [".skipped-step-3-no-marker", "step-3", "step-4"]
     assert load_checkpoint(tmp_path / "step-3")[1]["value"] == 1.0
 
 
@@ -219,3 +222,53 @@ def test_bad_arguments_are_rejected_before_writing(tmp_path, kwargs, error, matc
     with pytest.raises(error, match=match):
         save_checkpoint(tmp_path / "ckpt", args.pop("step"), **args)
     assert not (tmp_path / "ckpt").exists() or _names(tmp_path / "ckpt") == []
+
+
+# --------------------------------------------------------------------------- load_newest
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # one bit pattern in the last tensor's bytes: sha256 differs
+    (path / "model.safetensors").write_bytes(bytes(data))
+
+
+def test_load_newest_falls_back_from_corrupt_and_unfinished_checkpoints(tmp_path):
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    _corrupt(tmp_path / "step-3")
+    (tmp_path / "step-4").mkdir()  # an interrupted save
+    (tmp_path / "step-4" / "state.json").write_text("{}")
+
+    loaded = store.load_newest(tmp_path)
+
+    assert loaded.path == tmp_path / "step-2" and loaded.meta == {"step": 2, "value": 2.0}
+    assert torch.equal(loaded.tensors["model"]["w"], torch.full((2, 3), 2.0))
+    assert [(s.path.name, s.moved_to.name) for s in loaded.skipped] == [
+        ("step-4", ".skipped-step-4-no-marker"), ("step-3", ".skipped-step-3-corrupt"),
+    ]
+    assert "no COMPLETE marker" in loaded.skipped[0].reason
+    assert "model.safetensors has sha256" in loaded.skipped[1].reason
+    assert _names(tmp_path) == [".skipped-step-3-corrupt", ".skipped-step-4-no-marker", "step-1", "step-2"]
+    assert (tmp_path / ".skipped-step-4-no-marker" / "state.json").read_text() == "{}"
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
+
+
+def test_load_newest_without_a_loadable_checkpoint(tmp_path):
+    assert store.load_newest(tmp_path / "missing") == store.Loaded(None)
+    (tmp_path / "step-1").mkdir()
+    only_unfinished = store.load_newest(tmp_path)
+    assert only_unfinished.path is None and [s.path.name for s in only_unfinished.skipped] == ["step-1"]
+
+    _save(tmp_path, 2)
+    _corrupt(tmp_path / "step-2")
+    with pytest.raises(CheckpointError, match=r"no checkpoint under .* can be loaded: checkpoint .*step-2: model"):
+        store.load_newest(tmp_path)
+    assert "step-2" in _names(tmp_path)  # nothing to fall back to: left where it is
+
+
+def test_set_aside_never_overwrites(tmp_path):
+    for _ in range(2):
+        (tmp_path / "step-5").mkdir()
+        store.set_aside(tmp_path / "step-5", "no-marker")
+    assert _names(tmp_path) == [".skipped-step-5-no-marker", ".skipped-step-5-no-marker-2"]
