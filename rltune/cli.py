@@ -25,12 +25,13 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.metrics.dashboard import DashboardError
     from rltune.metrics.report import ReportError
     from rltune.models.load import ModelLoadError
+    from rltune.models.safetensors_io import TensorFileError
     from rltune.rewards.loading import RewardLoadError
     from rltune.runtime.sinks import SinkError
 
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
-        ExportError, EnvLoadError, SinkError, DashboardError, ReportError,
+        ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
     )
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
@@ -43,6 +42,7 @@ from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
 from rltune.learner.objectives import Objective, through_forward
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
+from rltune.models.safetensors_io import open_tensors
 from rltune.models.reward_model import sequence_scores
 
 Metrics = dict[str, torch.Tensor]
@@ -53,6 +53,7 @@ ContextFactory = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
 LoRA adapters disabled)."""
 
 REFERENCE_FILE = "reference_logps.safetensors"
+_CACHE_FIX = "it only caches the reference log-probs: delete it and they are computed again"
 _CACHE_FORMAT = 1  # bump when what the cache holds, or how it is computed, changes
 
 
@@ -382,7 +383,7 @@ def _read_cache(
 ) -> dict[str, torch.Tensor] | None:
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as f:
+    with open_tensors(path, fix=_CACHE_FIX) as f:
         if (f.metadata() or {}).get("fingerprint") != fingerprint:
             return None
         tensors = {name: f.get_tensor(name) for name in f.keys()}

@@ -11,19 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from rltune.models.safetensors_io import bad_files
 from rltune.models.tiny import TINY_FORMAT_VERSION, TINY_SPECS, build_tiny
 
 BUILTIN_PREFIX = "builtin:"
@@ -39,6 +45,9 @@ TOKENIZER_FILES = (
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _PATH_FIX = "set `model.path` to a local Hugging Face model directory or to builtin:tiny"
 _REMOTE_FIX = "set `model.trust_remote_code: true` if you trust the code in that directory"
+# JSON files the tokenizer reads besides its vocabulary; checked before transformers, whose
+# parse error names no file or blames the tokenizer.
+_TOKENIZER_JSON = ("config.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
 
 
 class ModelLoadError(ValueError):
@@ -55,6 +64,9 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     so sharing the id is harmless. A tokenizer with neither is an error.
     """
     directory = _existing_dir(path)
+    for name in _TOKENIZER_JSON:
+        if (directory / name).is_file():
+            _read_json(directory / name)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         # transformers 5 would build an empty tokenizer here instead of failing.
         raise ModelLoadError(
@@ -62,14 +74,23 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
             f"one there with `tokenizer.save_pretrained`, or {_PATH_FIX}"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            directory, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        with held_transformers_warnings() as held:
+            tokenizer = AutoTokenizer.from_pretrained(
+                directory, local_files_only=True, trust_remote_code=trust_remote_code
+            )
+            held.release()
+    except StrictDataclassError as err:
+        raise ModelLoadError(f"{directory / 'config.json'} is not a valid config: {_one_line(err)}") from err
     except (OSError, ValueError, KeyError, TypeError) as err:
+        # Suggest remote code only when transformers asked for it: never to "fix" a bad file.
+        fix = (
+            f"if it ships its own tokenizer code, {_REMOTE_FIX}" if "trust_remote_code" in str(err)
+            else "re-save it with `tokenizer.save_pretrained`"
+        )
         raise ModelLoadError(
-            f"could not load a tokenizer from {directory}: {err}. The directory needs "
+            f"could not load a tokenizer from {directory}: {_one_line(err)}. The directory needs "
             f"tokenizer files written by `save_pretrained` (e.g. tokenizer.json and "
-            f"tokenizer_config.json); if it ships its own tokenizer code, {_REMOTE_FIX}"
+            f"tokenizer_config.json); {fix}"
         ) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -104,27 +125,81 @@ def load_model(
             f"{directory} has a config.json but no weights (*.safetensors or *.bin); "
             f"save the model there with `save_pretrained`, or {_PATH_FIX}"
         )
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            directory,
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-            dtype=DTYPES[dtype],
-            output_loading_info=True,
-        )
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelLoadError(
-            f"could not load the model in {directory}: {err}. Check that its weights were "
-            f"written by `save_pretrained` for this config, or {_PATH_FIX}"
-        ) from err
-    bad = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
+    with held_transformers_warnings() as held:
+        try:
+            # Mismatched shapes are reported below, by key, in one line.
+            model, info = AutoModelForCausalLM.from_pretrained(
+                directory,
+                local_files_only=True,
+                trust_remote_code=trust_remote_code,
+                dtype=DTYPES[dtype],
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+            )
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, StrictDataclassError) as err:
+            raise hf_load_error(err, directory, "the model") from err
+        _check_loading_info(info, directory)
+        held.release()
+    return model
+
+
+def hf_load_error(err: Exception, directory: Path, what: str) -> ModelLoadError:
+    """The :class:`ModelLoadError` for ``err`` raised by ``from_pretrained(directory)``:
+    a corrupt weights file or an invalid config named as such, anything else as is."""
+    if isinstance(err, SafetensorError):
+        found = bad_files(directory)
+        return ModelLoadError("; ".join(found) if found else f"{directory}: {err}")
+    if isinstance(err, StrictDataclassError):
+        return ModelLoadError(f"{directory / 'config.json'} is not a valid config: {_one_line(err)}")
+    return ModelLoadError(
+        f"could not load {what} in {directory}: {_one_line(err)}. Check that its weights were "
+        f"written by `save_pretrained` for this config, or {_PATH_FIX}"
+    )
+
+
+def _check_loading_info(info: dict[str, Any], directory: Path) -> None:
+    """Raise unless every weight of the model came from ``directory``."""
+    bad = sorted(info["missing_keys"]) + sorted(
+        _mismatch(k) for k in info["mismatched_keys"]
+    )
     if bad:
         raise ModelLoadError(
             f"the weights in {directory} do not fit its config.json: missing or mismatched "
             f"{bad[:5]}{' ...' if len(bad) > 5 else ''}; the checkpoint is incomplete or "
             f"belongs to another architecture"
         )
-    return model
+
+
+class _HeldRecords(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self) -> None:
+        """Log the held records after all: the load they came from succeeded."""
+        records, self.records = self.records, []
+        for record in records:
+            logging.getLogger(record.name).handle(record)
+
+
+@contextmanager
+def held_transformers_warnings() -> Iterator[_HeldRecords]:
+    """Hold what transformers logs inside the block: a load that fails is reported by
+    rltune's own one-line error, and transformers' report of the same problem (a table
+    of keys, printed first) would bury it. Call ``release()`` on success to log them."""
+    handlers = logging.getLogger("transformers").handlers
+    held = _HeldRecords()
+    for handler in handlers:
+        handler.addFilter(held)
+    try:
+        yield held
+    finally:
+        for handler in handlers:
+            handler.removeFilter(held)
 
 
 def resolve_model(path: str, *, cache_dir: str | None = None, seed: int = 0) -> str:
@@ -203,10 +278,32 @@ def _read_config(directory: Path) -> dict[str, Any]:
             f"{directory} has no config.json, so it is not a Hugging Face model directory; "
             f"{_PATH_FIX}"
         )
+    config = _read_json(config_file)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _read_json(path: Path) -> Any:
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{config_file} is not valid JSON: {err}") from err
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(
+            f"{path} is not valid JSON ({err}); the file is damaged: restore it or save the "
+            f"model again with `save_pretrained`"
+        ) from err
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def _mismatch(entry: Any) -> str:
+    """A mismatched key of transformers' loading info: a name or (name, saved, model) shapes."""
+    if isinstance(entry, tuple) and len(entry) == 3:
+        name, saved, model = entry
+        return f"{name} (saved {tuple(saved)}, config {tuple(model)})"
+    return str(entry)
 
 
 def _check_architecture(

@@ -33,7 +33,18 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from rltune.data.collate import join
-from rltune.models.load import DTYPES, ModelLoadError, _existing_dir, _read_config
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
+
+from rltune.models.load import (
+    DTYPES,
+    ModelLoadError,
+    _existing_dir,
+    _mismatch,
+    _read_config,
+    held_transformers_warnings,
+    hf_load_error,
+)
 from rltune.models.logprobs import body_hidden_states
 
 SCORE_HEAD = "score"
@@ -61,16 +72,28 @@ def load_reward_model(
             f"of {directory}, which a reward model needs; use a decoder such as Llama, Qwen2 "
             f"or Mistral"
         )
+    with held_transformers_warnings() as held:
+        model, info = _from_pretrained(directory, dtype=dtype, trust_remote_code=trust_remote_code)
+        _check_head(model, info, directory, seed=seed)
+        held.release()
+    return model
+
+
+def _from_pretrained(directory, *, dtype: str, trust_remote_code: bool):
     try:
         # transformers fills a missing head from the global RNG before we overwrite it;
-        # the fork keeps the caller's stream where it was
+        # the fork keeps the caller's stream where it was. Mismatched shapes are
+        # reported by key in _check_head.
         with torch.random.fork_rng(devices=[]):
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                directory, num_labels=1, local_files_only=True,
+            return AutoModelForSequenceClassification.from_pretrained(
+                directory, num_labels=1, local_files_only=True, ignore_mismatched_sizes=True,
                 trust_remote_code=trust_remote_code, dtype=DTYPES[dtype], output_loading_info=True,
             )
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelLoadError(f"could not load a reward model from {directory}: {err}") from err
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, StrictDataclassError) as err:
+        raise hf_load_error(err, directory, "a reward model") from err
+
+
+def _check_head(model: PreTrainedModel, info: dict, directory, *, seed: int) -> None:
     head = getattr(model, SCORE_HEAD, None)
     if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
         raise ModelLoadError(
@@ -79,7 +102,7 @@ def load_reward_model(
         )
     head_keys = {f"{SCORE_HEAD}.{name}" for name, _ in head.named_parameters()}
     missing = set(info["missing_keys"])
-    bad = sorted(missing - head_keys) + sorted(str(k) for k in info["mismatched_keys"])
+    bad = sorted(missing - head_keys) + sorted(_mismatch(k) for k in info["mismatched_keys"])
     if bad:
         raise ModelLoadError(
             f"the weights in {directory} do not fit a reward model of its config: missing or "
@@ -87,7 +110,6 @@ def load_reward_model(
         )
     if missing:  # a causal LM's directory: the head is new
         init_score_head(model, seed=seed)
-    return model
 
 
 @torch.no_grad()
