@@ -27,11 +27,13 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.models.load import ModelLoadError
     from rltune.models.safetensors_io import TensorFileError
     from rltune.rewards.loading import RewardLoadError
+    from rltune.runtime.reward_errors import RewardErrorLimit
     from rltune.runtime.sinks import SinkError
 
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
+        RewardErrorLimit,
     )
 
 

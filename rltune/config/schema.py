@@ -284,6 +284,9 @@ class TrainConfig(_Section):
     """``bf16`` runs forward and backward under bf16 autocast; master weights stay fp32."""
     max_nonfinite_steps: int = Field(3, ge=1)
     """Stop with an error after this many consecutive steps with a non-finite gradient."""
+    max_reward_error_steps: int = Field(3, ge=0)
+    """Stop with an error after this many consecutive steps on which the reward failed on
+    every sample (each such step learns nothing and is warned about); 0 never stops."""
     seed: int = 0
     threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
@@ -330,9 +333,24 @@ class CheckpointConfig(_Section):
     """Save every N steps; 0 saves only at the end."""
     keep: int = Field(2, ge=1)
     resume: str = "never"
-    """``never``, ``auto`` (newest complete checkpoint of this run, if any), or a path."""
+    """``never``: a new run, in an absent or empty run directory (``log.dir/NAME``);
+    ``auto``: continue from the newest complete checkpoint of this run, if any; or the path
+    of a checkpoint to continue from. A resume refuses a config whose meaning differs from
+    the run's (``rltune/runtime/rundir.py`` lists what may change)."""
+    overwrite: bool = False
+    """With ``resume: never``: move an existing run directory aside to ``NAME.old-N`` (the
+    first free N; nothing is deleted) and start afresh; False refuses to start there."""
     final: bool = True
     """Also write the final model as an HF directory (``RUN/final``)."""
+
+    @model_validator(mode="after")
+    def _fresh_only(self) -> "CheckpointConfig":
+        if self.overwrite and self.resume != "never":
+            raise ValueError(
+                f"overwrite moves the old run aside to start afresh; it cannot be combined with "
+                f"resume={self.resume} (set checkpoint.resume=never, or drop checkpoint.overwrite)"
+            )
+        return self
 
 
 class EvalConfig(_Section):

@@ -105,7 +105,9 @@ class ConsoleProgress:
 
 
 def format_stats(metrics: dict[str, float]) -> str:
-    """``reward 0.512  kl 0.0031  1.20 s/step``; a metric that is absent shows as ``-``."""
+    """``reward 0.512  kl 0.0031  1.20 s/step``; a metric that is absent shows as ``-``.
+    A step with reward errors adds their count after the reward, ``errors 5`` (``errors 5
+    (2 timed out)``); the first message of each kind is printed above the bar."""
     parts = []
     for label, key, fmt in (
         ("reward", "reward/mean", "{:.3f}"),
@@ -114,6 +116,10 @@ def format_stats(metrics: dict[str, float]) -> str:
     ):
         value = metrics.get(key)
         parts.append(f"{label} {fmt.format(value) if value is not None and math.isfinite(value) else '-'}")
+        if key == "reward/mean" and metrics.get("reward/errors"):
+            timeouts = metrics.get("reward/timeouts")
+            parts.append(f"errors {metrics['reward/errors']:.0f}" + (
+                f" ({timeouts:.0f} timed out)" if timeouts else ""))
     seconds = metrics.get("time/step")
     parts.append(f"{seconds:.2f} s/step" if seconds is not None else "- s/step")
     return "  ".join(parts)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from rich.markup import escape
 
 from rltune.algos import Algorithm, groups_with_spread, overlong_penalty
 from rltune.config.schema import Config
@@ -24,6 +25,7 @@ from rltune.metrics.types import Aggregator, Last, Max, Metric, MetricLike, Sum
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.evaluate import evaluate
 from rltune.runtime.experience import make_experience, rewards_tensor, rollout_metrics
+from rltune.runtime.reward_errors import RewardErrorLimit, RewardErrorWatch
 from rltune.runtime.rollouts import AsyncRollouts
 from rltune.runtime.sinks import MetricSinks, open_sinks
 from rltune.runtime.state import restore, save
@@ -65,6 +67,8 @@ class Run:
     """The generator runs on the learner's own module (no copy to publish)."""
     data_warnings: list[str] = field(default_factory=list)
     """Bad rows skipped under ``data.on_bad_row: skip``, one line per data source."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the console when training starts (an old run moved aside, ...)."""
     reference_logprobs: Any = None
     """``(TrainBatch) -> [B, C]`` log-probs under the frozen reference, when one is loaded."""
     critic: Any = None
@@ -90,34 +94,45 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
     or stop early after step ``stop_after`` with a checkpoint, as a preempted run would.
     Returns the metrics of every step run in this call."""
     cfg = run.cfg
-    resumed = restore(run)
-    resume_after = run.step if resumed else None
+    restored = restore(run)
+    resume_after = run.step if restored else None
+    notes = [*run.notes, *restored.lines(cfg.train.steps)]
     samples_log = JsonlWriter(run.run_dir / "samples.jsonl", resume_after_step=resume_after)
     metrics_log = open_sinks(cfg, run.run_dir, resume_after_step=resume_after)
+    stopped: RewardErrorLimit | None = None
     try:
-        ran = _train_steps(run, stop_after, metrics_log, samples_log)
+        ran = _train_steps(run, stop_after, metrics_log, samples_log, notes)
+    except RewardErrorLimit as err:  # what the steps before learned is kept, as at the end
+        ran, stopped = True, err
     finally:
         if run.rollouts is not None:
             run.rollouts.close()
         samples_log.close()
     if ran and not (cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0):
         save(run)
+    if stopped is not None:
+        raise stopped
     return run.history
 
 
-def _train_steps(run: Run, stop_after: int | None, metrics_log: MetricSinks, samples_log: JsonlWriter) -> bool:
+def _train_steps(
+    run: Run, stop_after: int | None, metrics_log: MetricSinks, samples_log: JsonlWriter, notes: list[str]
+) -> bool:
     """The steps of :func:`train`, with the evaluations before and after; returns whether
-    any step ran."""
+    any step ran. ``notes`` are printed first (what was resumed or moved aside)."""
     cfg = run.cfg
     with metrics_log, ConsoleProgress(cfg.train.steps, start=run.step, enabled=cfg.log.console) as bar:
+        for note in notes:
+            bar.print(escape(note))
         for warning in run.data_warnings:
             bar.print(warning)
         if run.step == 0 and run.eval_prompts:
             _log_eval(run, bar, metrics_log)
         last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
+        watch = RewardErrorWatch(cfg.train.max_reward_error_steps, bar.print)
         while run.step < last:
             run.step += 1
-            typed = train_step(run, samples_log)
+            typed = train_step(run, samples_log, watch=watch)
             if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < cfg.train.steps:
                 typed.update(_eval_metrics(run, bar))
             metrics = metrics_log.log(run.step, typed)
@@ -125,15 +140,17 @@ def _train_steps(run: Run, stop_after: int | None, metrics_log: MetricSinks, sam
             bar.update(run.step, metrics)
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
                 save(run)
+            watch.check()
         ran = bool(run.history)  # a run resumed from its final checkpoint has nothing left to do
         if ran and run.eval_prompts and run.step == cfg.train.steps:
             _log_eval(run, bar, metrics_log)
     return ran
 
 
-def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
+def train_step(run: Run, samples_log: JsonlWriter, *, watch: RewardErrorWatch | None = None) -> dict[str, Metric]:
     """One step: draw prompts, make a batch (generating and scoring when the algorithm is
-    online), learn on it, publish the new weights. Returns the step's metrics, typed."""
+    online), learn on it, publish the new weights. Returns the step's metrics, typed.
+    ``watch`` is shown the step's rollouts (reward errors on the console)."""
     cfg = run.cfg
     clock = _Clock()
     metrics = Aggregator()
@@ -155,6 +172,8 @@ def train_step(run: Run, samples_log: JsonlWriter) -> dict[str, Metric]:
         metrics.add(staleness_metrics(rollouts, run.learner.version))
         generated_tokens = sum(len(r.completion_ids) for r in rollouts)
         _write_samples(samples_log, run.step, prompts, rollouts, cfg.log.samples_per_step)
+        if watch is not None:
+            watch.observe(run.step, rollouts)
     else:
         batch = run.collate(prompts)
     metrics.add(learn(run, batch))
@@ -202,7 +221,7 @@ def rollouts_ahead(run: Run, max_staleness: int) -> AsyncRollouts:
         raise ValueError("rollouts ahead of the learner need a generator with its own weights")
     ahead = AsyncRollouts(
         max_staleness=max_staleness, prompts_per_step=run.cfg.train.prompts_per_step,
-        draw=lambda n: _draw(run, n), sampler_state=run.sampler.state_dict,
+        draw=lambda n: _draw(run, n),
         collect=lambda prompts, metrics, clock: collect_rollouts(
             run, prompts, clock, metrics, draw=ahead.draw_locked),
         load_weights=run.generator.load_weights, clock=_Clock, version=run.learner.version,

@@ -1,0 +1,92 @@
+"""Reward errors on the console: each new kind once, and steps on which no sample scored.
+
+The scorer keeps a failing reward as data (``Rollout.reward_error``, ``reward/errors``), so
+one bad reward function does not stop a run. That also lets a function that fails on
+*every* sample train for hours on nothing: each step's batch is empty and the console
+shows ``reward -``. :class:`RewardErrorWatch` reads the rollouts of each step (of any
+runtime: local and Ray scorers fill the same fields) and
+
+- prints the first message of each kind of error once (a kind is the reward function
+  and what went wrong: the exception type, ``returned str``, ``timed out``, ...);
+- warns on a step where no sample got a reward and some failed;
+- after ``train.max_reward_error_steps`` such steps in a row raises
+  :class:`RewardErrorLimit` (0 never stops), naming the function and its first message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rich.markup import escape
+
+from rltune.data.records import Rollout
+
+
+class RewardErrorLimit(ValueError):
+    """Every sample's reward failed on ``train.max_reward_error_steps`` steps in a row."""
+
+
+def error_kind(message: str) -> str:
+    """The kind of a scorer's error message: ``NAME: TYPE`` for an exception
+    (``NAME: ValueError: ...``; the message after the type varies by sample),
+    ``NAME: returned TYPE`` for a value that is not a finite number, ``NAME: timed out``;
+    a message without a variable part is its own kind."""
+    name, sep, rest = message.partition(": ")
+    if not sep:
+        return message
+    if rest.startswith("returned "):
+        return f"{name}: returned {rest.split()[1]}"
+    if rest.startswith("timed out"):
+        return f"{name}: timed out"
+    head, sep, _ = rest.partition(": ")
+    if sep:  # an exception's type name (``env: step raised TYPE`` for an episode's)
+        return f"{name}: {head}"
+    return message
+
+
+class RewardErrorWatch:
+    """Follows the reward errors of a run's steps; ``say`` prints a console line."""
+
+    def __init__(self, max_failed_steps: int, say: Callable[[str], None]) -> None:
+        self.max_failed_steps = max_failed_steps
+        self._say = say
+        self._seen: set[str] = set()
+        self._failed_steps: list[int] = []
+        self._first_message: str | None = None
+
+    def observe(self, step: int, rollouts: Sequence[Rollout]) -> None:
+        """Print what is new in ``rollouts`` (step ``step``); count a step on which no
+        sample scored and at least one failed (deliberately dropped samples are no error)."""
+        errors = [r.reward_error for r in rollouts if r.reward_error is not None and not r.dropped]
+        for message in errors:
+            kind = error_kind(message)
+            if kind not in self._seen:
+                self._seen.add(kind)
+                self._say(escape(f"reward error at step {step} (first of its kind, not repeated): {message}"))
+        if not errors or any(r.reward is not None for r in rollouts):
+            self._failed_steps.clear()
+            self._first_message = None
+            return
+        if not self._failed_steps:
+            self._first_message = errors[0]
+        self._failed_steps.append(step)
+        limit = (
+            f"{len(self._failed_steps)} of {self.max_failed_steps} in a row before the run stops"
+            if self.max_failed_steps else "train.max_reward_error_steps=0: the run goes on"
+        )
+        self._say(escape(
+            f"warning: step {step}: the reward failed on all {len(errors)} samples, so the step "
+            f"learned nothing ({limit})"
+        ))
+
+    def check(self) -> None:
+        """Raise :class:`RewardErrorLimit` once ``max_failed_steps`` steps in a row failed."""
+        if not self.max_failed_steps or len(self._failed_steps) < self.max_failed_steps:
+            return
+        first, last = self._failed_steps[0], self._failed_steps[-1]
+        raise RewardErrorLimit(
+            f"the reward failed on every sample of {len(self._failed_steps)} steps in a row "
+            f"(steps {first}-{last}), so the run stopped: {self._first_message}. Fix the reward "
+            f"function (samples.jsonl has each sample's error), or raise "
+            f"`train.max_reward_error_steps` (0 never stops)"
+        )
