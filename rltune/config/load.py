@@ -40,6 +40,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     """
     source = "(no file)" if path is None else str(path)
     data = {} if path is None else _read_yaml(Path(path))
+    empty_file = path is not None and not data
     origins: dict[Loc, str] = {}
     problems = []
     for text in overrides:
@@ -53,6 +54,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         return Config.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(err, origins) for err in exc.errors()]
+        if empty_file:  # the defaults alone are no experiment: say what is really wrong
+            raise ConfigError(
+                f"config file {source} is empty (or only comments), so every setting is a "
+                f"default and that is not a complete experiment ({lines[0]}); write its "
+                f"sections (model, data, reward, ...) or start from a file in recipes/"
+            ) from None
         raise ConfigError(_report(source, lines)) from None
 
 

@@ -119,9 +119,9 @@ def load_prompts(
             )
             _check_unique_id(prompt.id, raw.number, seen_ids)
         except _BadRow as bad:
-            message = f"{source}: row {raw.number}: {bad.problem}; {bad.hint}, {_SKIP_HINT}"
+            message = f"{source}: row {raw.number}: {bad.problem}; {bad.hint}"
             if cfg.on_bad_row == "error":
-                raise DataError(message) from None
+                raise DataError(f"{message}, {_SKIP_HINT}") from None
             skipped += 1
             if len(skip_examples) < MAX_SKIP_EXAMPLES:
                 skip_examples.append(message)
@@ -180,7 +180,9 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
                 yield _RawRow(number, None, f"not valid UTF-8 ({err.reason} at byte {err.start})")
                 continue
             except json.JSONDecodeError as err:
-                yield _RawRow(number, None, f"invalid JSON ({err.msg} at column {err.colno})")
+                # some of json's messages end in "at" (`Unterminated string starting at`)
+                where = "" if err.msg.endswith(" at") else " at"
+                yield _RawRow(number, None, f"invalid JSON ({err.msg}{where} column {err.colno})")
                 continue
             if not isinstance(obj, dict):
                 yield _RawRow(number, None, f"expected a JSON object, got {type(obj).__name__}")

@@ -192,8 +192,10 @@ def test_empty_file_is_all_defaults(tmp_path):
     for text in ["", "# only a comment\n"]:
         path = write(tmp_path, text)
         assert load_config(path, ["algo.name=sft"]) == Config(algo=AlgoConfig(name="sft"))
-        # defaults alone are grpo without a reward: the schema's own check fires
-        assert "needs at least one entry in `reward`" in error_of(path)
+        # defaults alone are grpo without a reward: the message says the file is empty first
+        message = error_of(path)
+        assert message.startswith(f"config file {path} is empty (or only comments), so every setting is a default")
+        assert "needs at least one entry in `reward`" in message and "recipes/" in message
 
 
 @pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just text\n", "str"), ("3\n", "int")])
