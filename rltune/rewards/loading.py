@@ -30,6 +30,9 @@ from typing import Any, Callable
 # Short module names accepted before the colon. ``builtin:NAME`` is the spelling used in
 # recipes; the full module path is the canonical one.
 _MODULE_ALIASES = {"builtin": "rltune.rewards.builtin"}
+_FILE_MODULE_PREFIX = "rltune_user_reward_"
+"""Module names of reward files loaded by path: the prefix, the file's stem and a hash of
+its path (two files called rewards.py do not collide)."""
 
 
 class RewardLoadError(ValueError):
@@ -116,7 +119,7 @@ def _load_file(target: str, *, spec: str, base_dir: str | None) -> ModuleType:
     # One module name per file path: two files both called rewards.py must not collide, and
     # loading the same file twice reuses the module (its globals, caches) like an import.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    module_name = f"rltune_user_reward_{path.stem}_{digest}"
+    module_name = f"{_FILE_MODULE_PREFIX}{path.stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     import_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -171,7 +174,7 @@ def _get_callable(
         suggestion = f"; did you mean {close[0]!r}?" if close else ""
         listing = ", ".join(available) if available else "none"
         raise RewardLoadError(
-            f"{what} spec {spec!r}: module {module.__name__!r} has no attribute {attr!r}"
+            f"{what} spec {spec!r}: {_describe_module(module)} has no attribute {attr!r}"
             f"{suggestion} (its functions: {listing})"
         )
     fn = getattr(module, attr)
@@ -183,6 +186,14 @@ def _get_callable(
         )
         raise RewardLoadError(f"{what} spec {spec!r}: {attr!r} is {kind}, not a function; {hint}")
     return fn
+
+
+def _describe_module(module: ModuleType) -> str:
+    """``module 'NAME'``, or ``file PATH`` for a file loaded by path, whose module name
+    (:data:`_FILE_MODULE_PREFIX`, a hash) is rltune's own, not the user's."""
+    if module.__name__.startswith(_FILE_MODULE_PREFIX) and module.__file__:
+        return f"file {module.__file__}"
+    return f"module {module.__name__!r}"
 
 
 def _public_callables(module: ModuleType) -> list[str]:

@@ -1,0 +1,27 @@
+"""Errors about a reward file name the user's file, never the module name rltune gives it
+when loading it by path (``rltune_user_reward_<stem>_<hash>``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rltune.rewards.loading import RewardLoadError, load_reward_fn
+
+
+def test_a_missing_function_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def brevity(prompt, completion, **meta):\n    return 1.0\n")
+    with pytest.raises(RewardLoadError) as info:
+        load_reward_fn(f"{path}:brevty")
+    assert str(info.value) == (
+        f"reward spec '{path}:brevty': file {path} has no attribute 'brevty'; "
+        "did you mean 'brevity'? (its functions: brevity)"
+    )
+    assert "rltune_user_reward" not in str(info.value)
+
+
+def test_a_missing_function_of_a_module_names_the_module() -> None:
+    with pytest.raises(RewardLoadError, match="^reward spec 'builtin:nope': module 'rltune.rewards.builtin' has no"):
+        load_reward_fn("builtin:nope")
