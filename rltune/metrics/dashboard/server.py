@@ -8,7 +8,8 @@ Pages and files
                                    never a path outside the folder (404)
 
 JSON API (every answer is ``application/json`` with ``Cache-Control: no-store``; an error
-is ``{"error": "..."}`` with status 400 for a bad request or 404 for an unknown run)
+is ``{"error": "..."}`` with status 400 for a bad request or 404 for an unknown run;
+any method but GET and HEAD is answered 405 with ``Allow: GET, HEAD``, on any path)
     ``GET /api/runs``
         ``{"now": UNIX_S, "live_window_s": S, "sample_cap": N,
         "roots": [{"path", "runs"}], "runs": [RUN, ...]}`` where ``RUN`` is ``{"id",
@@ -260,6 +261,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:
         self._handle(head=True)
+
+    def _not_allowed(self) -> None:
+        """405 with ``Allow: GET, HEAD`` (http.server would answer 501 with an HTML page).
+        The connection is closed: the request's body, if any, is not read."""
+        self._head = self.command == "HEAD"
+        self.close_connection = True
+        body = {"error": f"method {self.command} is not allowed: the dashboard only reads (GET, HEAD)"}
+        data = json.dumps(body).encode("utf-8")
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, data, "application/json; charset=utf-8",
+                   {"Allow": "GET, HEAD", "Cache-Control": "no-store", "Connection": "close"})
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: no line per request."""
