@@ -27,9 +27,10 @@ browser:
 	  echo "note: chromium could not be installed; the dashboard's browser tests will skip"
 
 # SFT warm-up of the built-in tiny model, then GRPO; prints held-out accuracy before and after.
+# A second `make demo` moves the previous runs aside (runs/NAME.old-N) instead of refusing.
 demo: setup
-	$(BIN)/rltune train recipes/arith-sft.yaml
-	$(BIN)/rltune train recipes/arith-grpo.yaml
+	$(BIN)/rltune train recipes/arith-sft.yaml checkpoint.overwrite=true
+	$(BIN)/rltune train recipes/arith-grpo.yaml checkpoint.overwrite=true
 
 test: setup browser
 	$(BIN)/python -m pytest -q

@@ -198,13 +198,13 @@ def load_newest(root: Path) -> Loaded:
         try:
             tensors, meta = load_checkpoint(path)
         except CheckpointError as err:
-            corrupt.append((path, str(err)))
+            corrupt.append((path, str(err).removeprefix(f"checkpoint {path}: ")))
             continue
         skipped += [Skipped(bad, set_aside(bad, "corrupt"), reason) for bad, reason in corrupt]
         return Loaded(path, tensors, meta, tuple(skipped))
     if corrupt:
         raise CheckpointError(
-            f"no checkpoint under {root} can be loaded: {'; '.join(reason for _, reason in corrupt)}; "
+            f"no checkpoint under {root} can be loaded: {'; '.join(f'{p.name}: {why}' for p, why in corrupt)}; "
             "continue from another copy (checkpoint.resume=PATH), or start afresh "
             "(checkpoint.resume=never checkpoint.overwrite=true moves this run aside)"
         )

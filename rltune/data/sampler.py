@@ -69,11 +69,11 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`)."""
-        for name in ("n_prompts", "seed", "shuffle"):
+        for name, key in (("n_prompts", "data.train's rows"), ("seed", "train.seed"), ("shuffle", "data.shuffle")):
             if state[name] != getattr(self, name):
                 raise ValueError(
                     f"sampler state was saved with {name}={state[name]!r} but this run has "
-                    f"{name}={getattr(self, name)!r}; resume with the same data and "
+                    f"{name}={getattr(self, name)!r} ({key}); resume with the same data and "
                     "train.seed / data.shuffle, or start a new run"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])

@@ -33,6 +33,7 @@ from rltune.rollout.hf import HFGenerator, eos_ids
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.loop import Run, rollouts_ahead, train
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, load_preference_model
+from rltune.runtime.rundir import prepare_run_dir
 
 
 @dataclass
@@ -76,9 +77,11 @@ def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | Non
     make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=config_dir) if cfg.env.name else None
     if algorithm.online and not reward_fns and cfg.env.name is None:
         raise ConfigError(f"algo.name={cfg.algo.name} generates rollouts and needs at least one entry in `reward`")
+    run_dir = Path(cfg.log.dir) / cfg.name
+    # before anything is written there: an old run is never overwritten or mixed with this one
+    moved = prepare_run_dir(cfg, run_dir)
     model_dir = resolve_model(cfg.model.path)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    run_dir = Path(cfg.log.dir) / cfg.name
     if cfg.algo.name in PREFERENCE_METHODS:
         parts = _preference_parts(cfg, model_dir, tokenizer, run_dir)
         model, train_prompts, eval_prompts = parts.model, parts.train_prompts, parts.eval_prompts
@@ -126,6 +129,7 @@ def build_run(cfg: Config, *, config_dir: Path | None = None, roles: Roles | Non
         state=state,
         collate=None if algorithm.online else partial(collate_sft, pad_id=tokenizer.pad_token_id),
         data_warnings=warnings,
+        notes=[moved] if moved else [],
     )
     if cfg.algo.name in PREFERENCE_METHODS:
         run.collate = parts.collate

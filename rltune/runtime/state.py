@@ -3,6 +3,7 @@ the data position, the step and the learner's counters."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,15 @@ from rltune.checkpoint.state import (
     scheduler_to_state,
 )
 from rltune.checkpoint.model import model_from_state, model_to_state
-from rltune.checkpoint.store import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from rltune.checkpoint.rollouts import batches_from_state, batches_to_state
+from rltune.checkpoint.store import (
+    CheckpointError,
+    Skipped,
+    load_checkpoint,
+    load_newest,
+    save_checkpoint,
+    set_aside,
+)
 
 if TYPE_CHECKING:
     from rltune.runtime.loop import Run
@@ -31,14 +40,22 @@ def checkpoints_of(run_dir: Path) -> Path:
 
 
 def save(run: "Run") -> Path:
-    """Checkpoint ``run`` at its current step (``RUN/checkpoints/step-N``)."""
+    """Checkpoint ``run`` at its current step (``RUN/checkpoints/step-N``). With rollouts
+    ahead of the learner, the producer is held between batches meanwhile: the batches it
+    queued, the sampler and the sampling RNG are saved as of one moment, after those batches."""
+    if run.rollouts is None:
+        return _save(run)
+    with run.rollouts.paused():
+        return _save(run)
+
+
+def _save(run: "Run") -> Path:
     rng_tensors, rng_meta = rng_to_state(run.state.generators)
     tensors, meta = _learner_state(run.learner, "")
     tensors["rng"] = rng_tensors
-    # with rollouts ahead of the learner: the sampler before the oldest batch not yet
-    # learned, so a resumed run generates those prompts again (each once)
-    sampler = run.rollouts.sampler_state() if run.rollouts is not None else run.sampler.state_dict()
-    meta.update({"step": run.step, "name": run.cfg.name, "rng": rng_meta, "sampler": sampler})
+    meta.update({"step": run.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.sampler.state_dict()})
+    if run.rollouts is not None:
+        tensors["queue"], meta["queue"] = batches_to_state(run.rollouts.queued(), run.train_prompts)
     if run.critic is not None:
         critic_tensors, critic_meta = _learner_state(run.critic, "critic_")
         tensors.update(critic_tensors)
@@ -73,24 +90,63 @@ def learner_state(learner, prefix: str) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def restore(run: "Run") -> bool:
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore` did: the checkpoint the run continues from (None: it starts
+    at step 0) and the checkpoints it skipped. True when a checkpoint was loaded."""
+
+    path: Path | None = None
+    step: int = 0
+    skipped: tuple[Skipped, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.path is not None
+
+    def lines(self, total_steps: int) -> list[str]:
+        """What the console says about it, one line per skipped checkpoint and one for the
+        checkpoint resumed from."""
+        fell_back = f"resuming from {self.path}" if self.path is not None else "starting from step 0"
+        out = [f"skipped checkpoint {s.path} ({s.reason}); moved it to {s.moved_to}; {fell_back}"
+               for s in self.skipped]
+        if self.path is not None:
+            out.append(f"resuming from {self.path} (step {self.step} of {total_steps})")
+        return out
+
+
+def restore(run: "Run") -> Restored:
     """Apply ``checkpoint.resume``: ``never`` starts fresh, ``auto`` continues from the newest
-    complete checkpoint of this run if there is one, anything else is a checkpoint path.
-    Returns whether a checkpoint was loaded."""
+    checkpoint of this run that verifies (moving newer unfinished or corrupt ones aside),
+    anything else is a checkpoint path (moving this run's newer checkpoints aside)."""
     resume = run.cfg.checkpoint.resume
     if resume == "never":
-        return False
+        return Restored()
     if resume == "auto":
-        path = latest_checkpoint(checkpoint_root(run))
-        if path is None:
-            return False
+        loaded = load_newest(checkpoint_root(run))
+        if loaded.path is None:
+            return Restored(skipped=loaded.skipped)
+        path, tensors, meta, skipped = loaded.path, loaded.tensors, loaded.meta, loaded.skipped
     else:
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={resume!r}: no such checkpoint directory")
-    tensors, meta = load_checkpoint(path)
+        tensors, meta = load_checkpoint(path)
+        skipped = ()
     _apply(run, tensors, meta, path)
-    return True
+    if resume != "auto":
+        skipped = _set_aside_newer(checkpoint_root(run), path, run.step)
+    return Restored(path, run.step, skipped)
+
+
+def _set_aside_newer(root: Path, path: Path, step: int) -> tuple[Skipped, ...]:
+    """Resuming this run from one of its older checkpoints: the newer ones belong to the
+    steps it is about to train again, so they are moved aside (``.skipped-step-N-newer``)
+    and a later ``resume=auto`` cannot mix them in."""
+    if not root.is_dir() or path.parent.resolve() != root.resolve():
+        return ()
+    newer = sorted((int(e.name[5:]), e) for e in root.iterdir() if e.name.startswith("step-")
+                   and e.name[5:].isdigit() and int(e.name[5:]) > step)
+    reason = f"newer than {path.name}, which checkpoint.resume names"
+    return tuple(Skipped(e, set_aside(e, "newer"), reason) for _, e in reversed(newer))
 
 
 def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
@@ -113,6 +169,23 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     run.step = int(meta["step"])
     if run.generator is not None:
         run.generator.load_weights(learner.version, None if run.shared_weights else learner.export_weights())
+    _apply_queue(run, tensors, meta, path)
+
+
+def _apply_queue(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
+    """Put back the batches generated ahead of the learner and not yet learned (a checkpoint
+    written before they were saved has none: its sampler is before them, so they are
+    generated again)."""
+    queued = meta["queue"] if "queue" in meta else []
+    if run.rollouts is None:
+        if queued:
+            raise CheckpointError(
+                f"{path} holds {len(queued)} batch(es) generated ahead of the learner; resume it with the "
+                f"runtime.max_staleness it was written with (this run has {run.cfg.runtime.max_staleness})"
+            )
+        return
+    batches = batches_from_state(tensors["queue"] if queued else {}, queued, run.train_prompts, where=str(path))
+    run.rollouts.restore(batches, version=run.learner.version)
 
 
 def _apply_learner(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:

@@ -25,6 +25,7 @@ import torch
 
 import rltune.runtime.state as run_state
 from rltune.checkpoint.store import MARKER, CheckpointError
+from rltune.config import ConfigError
 from rltune.data.sampler import PromptSampler
 from rltune.models.load import load_model, resolve_model
 from rltune.runtime.local import build_run
@@ -209,8 +210,17 @@ def test_resume_without_one_piece_of_state_differs(runs, tmp_path, tiny_grpo_con
 
 
 def test_resume_with_another_seed_is_refused(runs, tmp_path, tiny_grpo_config_at):
-    run = _resume_from_stop(runs, tmp_path, tiny_grpo_config_at, "train.seed=1")
-    with pytest.raises(CheckpointError, match=r"step-3: sampler state was saved with seed=0 but this run has seed=1"):
+    with pytest.raises(ConfigError, match=r"this config differs from the run's .* means: train\.seed: 0 -> 1; "):
+        _resume_from_stop(runs, tmp_path, tiny_grpo_config_at, "train.seed=1")
+
+
+def test_resume_of_a_bare_checkpoint_with_another_seed_is_refused(runs, tmp_path, tiny_grpo_config_at):
+    """Without the run's config.yaml to compare with, the checkpoint's own sampler state
+    refuses the other seed, naming the key."""
+    shutil.copytree(runs.at_stop / "checkpoints", tmp_path / "bare")
+    cfg = tiny_grpo_config_at(tmp_path, *RESUME_CONFIG, "train.seed=1", f"checkpoint.resume={tmp_path / 'bare' / 'step-3'}")
+    run = build_run(cfg)
+    with pytest.raises(CheckpointError, match=r"step-3: sampler state was saved with seed=0 but this run has seed=1 \(train\.seed\)"):
         train(run)
 
 
@@ -223,18 +233,26 @@ def test_checkpoint_without_marker_is_ignored(runs, tmp_path, tiny_grpo_config_a
     shutil.copytree(checkpoints / f"step-{STEPS}", checkpoints / "step-99")
     (checkpoints / "step-99" / MARKER).unlink()
     run = build_run(cfg)
-    assert run_state.restore(run)
+    restored = run_state.restore(run)
+    assert restored.path == checkpoints / f"step-{STEPS}" and restored.step == STEPS
     assert run.step == STEPS and run.learner.version == STEPS
     assert _same_params(runs.a, run)
+    # named, and moved aside rather than deleted
+    assert [(s.path, s.moved_to) for s in restored.skipped] == [
+        (checkpoints / "step-99", checkpoints / ".skipped-step-99-no-marker")]
+    assert (checkpoints / ".skipped-step-99-no-marker" / "model.safetensors").is_file()
+    assert not (checkpoints / "step-99").exists()
 
 
 def test_checkpoint_with_marker_is_not_ignored(runs, tmp_path, tiny_grpo_config_at):
-    """Control for the test above: with its marker, ``step-99`` is the one picked (and
-    refused, since its marker records step 6)."""
+    """Control for the test above: with its marker, ``step-99`` is the one tried first (and
+    refused, since its marker records step 6: moved aside as corrupt)."""
     cfg = tiny_grpo_config_at(tmp_path, *RESUME_CONFIG)
     checkpoints = Path(cfg.log.dir) / cfg.name / "checkpoints"
     shutil.copytree(runs.a.run_dir / "checkpoints", checkpoints)
     shutil.copytree(checkpoints / f"step-{STEPS}", checkpoints / "step-99")
     run = build_run(cfg)
-    with pytest.raises(CheckpointError, match="step-99"):
-        run_state.restore(run)
+    restored = run_state.restore(run)
+    assert [s.moved_to.name for s in restored.skipped] == [".skipped-step-99-corrupt"]
+    assert "directory says step 99 but COMPLETE says 6" in restored.skipped[0].reason
+    assert run.step == STEPS and (checkpoints / ".skipped-step-99-corrupt" / MARKER).is_file()

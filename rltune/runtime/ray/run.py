@@ -129,8 +129,10 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
             restarts_left -= 1
             _record_fault(run_dir, err, newest, restarts_left)
             # a run that started fresh resumes from its own newest checkpoint, or starts over
+            # in its own directory (``auto`` finding no checkpoint; ``never`` would refuse the
+            # directory this attempt wrote, and ``overwrite`` would move it aside)
             cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
-                update={"resume": str(newest) if newest is not None else "never"})})
+                update={"resume": str(newest) if newest is not None else "auto", "overwrite": False})})
         finally:
             roles.close()
 

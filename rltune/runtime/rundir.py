@@ -1,0 +1,193 @@
+"""The run directory (``log.dir/NAME``) before a run writes anything to it.
+
+A new run never lands in an old run's directory, and a resumed run continues the run it
+claims to:
+
+- ``checkpoint.resume: never`` needs an absent or empty directory. With
+  ``checkpoint.overwrite: true`` an existing one is first moved aside, whole, to
+  ``NAME.old-N`` (the first free N); nothing is deleted and the two runs never mix.
+- A resume (``auto``, or a checkpoint path) compares the config with the run's saved
+  ``config.yaml`` and refuses every difference outside :data:`FREE_KEYS`, naming each key
+  with its old and new value. A checkpoint path into a directory that holds another run
+  is refused too (its files would mix with the old run's).
+
+What may change on a resume is what does not change what the run learns or how its
+figures are measured: logging, checkpointing, when evaluation runs, speed and memory
+knobs, the runtime's layout, and ``train.steps`` to extend a run (except under a cosine
+schedule, which decays over ``train.steps``). Everything else (model, algorithm, data,
+rollout sampling, rewards, environment, optimizer, seed, ``runtime.max_staleness``,
+held-out evaluation settings) is the run's meaning. A reward or environment named by a
+file (``path/to/file.py:fn``) is compared by file name and function: a run copied to
+another folder, or a config read from elsewhere, still resumes.
+"""
+
+from __future__ import annotations
+
+import os
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from rltune.config import Config, ConfigError, load_config
+
+RUN_CONFIG = "config.yaml"
+
+FREE_KEYS = (
+    "name",  # the directory's name: a run moved aside continues under its new name
+    "log.*",  # where and how metrics and samples are written
+    "checkpoint.*",  # how often, how many kept, how to resume, the final export
+    "eval.every",  # when held-out evaluation runs (not on what, nor how it samples)
+    "eval.batch_size",
+    "train.steps",  # extending a run; see _cosine_length for the exception
+    "train.threads",  # speed and memory: the same sums, chunked differently
+    "train.micro_batch_tokens",
+    "train.max_nonfinite_steps",  # when to give up on a failing run
+    "train.max_reward_error_steps",
+    "model.trust_remote_code",  # a permission, not another model
+    "rollout.engine",  # which engine samples, not what is sampled
+    "rollout.vllm.gpu_memory_utilization",
+    "rollout.vllm.enforce_eager",
+    "runtime.*",  # where the pieces run and how many workers (but see BOUND_KEYS)
+    "reward.*.accuracy",  # whether an accuracy metric is logged
+)
+"""Dotted keys (``fnmatch`` patterns) a resumed run may change."""
+
+BOUND_KEYS = ("runtime.max_staleness",)
+"""Keys matched by :data:`FREE_KEYS` that still change the run's meaning: how far the
+samples may lag the learner is part of the algorithm."""
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path) -> str | None:
+    """Check ``run_dir`` against ``cfg.checkpoint`` before the run writes to it; move an
+    old run aside when ``checkpoint.overwrite`` asks for it.
+
+    Returns:
+        A line for the console when something was moved aside, else None.
+
+    Raises:
+        ConfigError: a new run into a directory that holds a run, a resume whose config
+            differs in meaning from the run's, or a checkpoint of another run resumed into
+            a directory that holds a run.
+    """
+    resume = cfg.checkpoint.resume
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} exists and is not a directory; choose another `name` or `log.dir`")
+    if resume == "never":
+        return _fresh(cfg, run_dir)
+    if resume == "auto":
+        saved = run_dir / RUN_CONFIG
+    else:
+        saved = _owner_config(Path(resume), run_dir)
+    if saved is not None and saved.is_file():
+        _check_same_meaning(cfg, saved, f"checkpoint.resume={resume}")
+    return None
+
+
+def _fresh(cfg: Config, run_dir: Path) -> str | None:
+    if not _holds_files(run_dir):
+        return None
+    aside = _aside_name(run_dir)
+    if not cfg.checkpoint.overwrite:
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run (checkpoint.resume=never starts a new one); "
+            f"choose another `name`, continue it with checkpoint.resume=auto, or move it aside to "
+            f"{aside} and start afresh with checkpoint.overwrite=true"
+        )
+    os.rename(run_dir, aside)
+    return f"moved the old run in {run_dir} aside to {aside}"
+
+
+def _holds_files(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any(run_dir.iterdir())
+
+
+def _aside_name(run_dir: Path) -> Path:
+    n = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
+        n += 1
+    return aside
+
+
+def _owner_config(checkpoint: Path, run_dir: Path) -> Path | None:
+    """The saved config of the run ``checkpoint`` belongs to (``RUN/checkpoints/step-N``),
+    or None for a checkpoint outside a run directory. A checkpoint of another run may only
+    start a new directory: resumed into one holding a run, the two would mix."""
+    owner = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    if _holds_files(run_dir) and (owner is None or owner.resolve() != run_dir.resolve()):
+        raise ConfigError(
+            f"checkpoint.resume={checkpoint}: the run directory {run_dir} holds another run, whose "
+            f"files would mix with this one's; choose another `name` for the run continuing from it"
+        )
+    return owner / RUN_CONFIG if owner is not None else None
+
+
+def _check_same_meaning(cfg: Config, saved: Path, where: str) -> None:
+    try:
+        old = load_config(saved)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: the run's saved config cannot be read to compare with: {err}") from None
+    changed = [
+        f"{key}: {_show(a)} -> {_show(b)}"
+        for key, a, b in differences(old, cfg)
+        if (not _free(key) or _cosine_length(key, old, cfg)) and not _same_function(key, a, b)
+    ]
+    if changed:
+        raise ConfigError(
+            f"{where}: this config differs from the run's ({saved}) in what the run means: "
+            f"{'; '.join(changed)}; resume with the run's values, or start a new run (another `name`)"
+        )
+
+
+def _free(key: str) -> bool:
+    return key not in BOUND_KEYS and any(fnmatchcase(key, pattern) for pattern in FREE_KEYS)
+
+
+def _cosine_length(key: str, old: Config, new: Config) -> bool:
+    """``train.steps`` is the length of a cosine schedule: changing it reshapes the lr of
+    the steps still to come."""
+    return key == "train.steps" and "cosine" in (old.train.schedule, new.train.schedule)
+
+
+def _same_function(key: str, old: Any, new: Any) -> bool:
+    """A reward or environment given as ``path/to/file.py:name`` is the same one when the
+    file name and the name agree: the directory is where the project lives (a run copied
+    elsewhere, a config given by another path), not which function it is."""
+    if not (fnmatchcase(key, "reward.*.fn") or key == "env.name") or not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    return _locator(old) == _locator(new)
+
+
+def _locator(ref: str) -> str:
+    where, _, name = ref.rpartition(":")
+    return f"{Path(where).name}:{name}" if where.endswith(".py") else ref
+
+
+def differences(old: BaseModel, new: BaseModel, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, old value, new value)`` for every field that differs, descending
+    into sections and into lists of sections of the same length (``reward.0.fn``)."""
+    out: list[tuple[str, Any, Any]] = []
+    for name in type(new).model_fields:
+        key, a, b = f"{prefix}{name}", getattr(old, name), getattr(new, name)
+        if isinstance(a, BaseModel) and type(a) is type(b):
+            out += differences(a, b, f"{key}.")
+        elif _sections(a) and _sections(b) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                out += differences(x, y, f"{key}.{i}.")
+        elif a != b:
+            out.append((key, a, b))
+    return out
+
+
+def _sections(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(v, BaseModel) for v in value)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    elif _sections(value):
+        value = [v.model_dump() for v in value]
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
