@@ -174,16 +174,16 @@ class _HeldRecords(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.released = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        self.records.append(record)
+        if not any(record is held for held in self.records):  # each handler asks once
+            self.records.append(record)
         return False
 
     def release(self) -> None:
-        """Log the held records after all: the load they came from succeeded."""
-        records, self.records = self.records, []
-        for record in records:
-            logging.getLogger(record.name).handle(record)
+        """Log the held records after all, when the block ends: the load succeeded."""
+        self.released = True
 
 
 @contextmanager
@@ -200,6 +200,9 @@ def held_transformers_warnings() -> Iterator[_HeldRecords]:
     finally:
         for handler in handlers:
             handler.removeFilter(held)
+    if held.released:
+        for record in held.records:
+            logging.getLogger(record.name).handle(record)
 
 
 def resolve_model(path: str, *, cache_dir: str | None = None, seed: int = 0) -> str:
