@@ -1,0 +1,81 @@
+"""What a resume may change and what it may not (``rltune/runtime/rundir.py``), and the
+checks on the run directory, without training: a saved ``config.yaml`` and a new config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rltune.config import ConfigError, load_config, save_resolved_config
+from rltune.runtime.rundir import prepare_run_dir
+
+BASE = ("algo.name=grpo", "reward.0.fn=rewards/mine.py:score", "train.steps=4", "name=r")
+
+
+def _saved(tmp_path: Path, *overrides: str) -> Path:
+    run_dir = tmp_path / "runs" / "r"
+    save_resolved_config(load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", *overrides]), run_dir)
+    return run_dir
+
+
+def _resume(tmp_path: Path, run_dir: Path, *overrides: str) -> None:
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", "checkpoint.resume=auto", *overrides])
+    assert prepare_run_dir(cfg, run_dir) is None
+
+
+@pytest.mark.parametrize("change", [
+    "train.steps=8", "train.threads=1", "train.micro_batch_tokens=512", "log.console=false",
+    "checkpoint.every=2", "checkpoint.keep=5", "eval.every=2", "runtime.reward_workers=2",
+    "runtime.placement.generators=2", "reward.0.fn=/elsewhere/rewards/mine.py:score",
+])
+def test_what_a_resume_may_change(tmp_path, change):
+    _resume(tmp_path, _saved(tmp_path), change)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ("train.seed=7", "train.seed: 0 -> 7"),
+    ("train.lr=1e-4", "train.lr: 1e-05 -> 0.0001"),
+    ("algo.group_size=4", "algo.group_size: 8 -> 4"),
+    ("data.train=builtin:arith_small/train", "data.train: 'builtin:arith/train' -> 'builtin:arith_small/train'"),
+    ("model.dtype=bfloat16", "model.dtype: 'float32' -> 'bfloat16'"),
+    ("model.lora.r=4", "model.lora: None -> {'r': 4,"),
+    ("reward.0.fn=rewards/other.py:score", "reward.0.fn: 'rewards/mine.py:score' -> 'rewards/other.py:score'"),
+    ("reward.0.weight=2", "reward.0.weight: 1.0 -> 2.0"),
+    ("rollout.temperature=0.5", "rollout.temperature: 1.0 -> 0.5"),
+    ("eval.temperature=0.5", "eval.temperature: 0.0 -> 0.5"),
+])
+def test_what_a_resume_refuses_names_the_key(tmp_path, change, named):
+    run_dir = _saved(tmp_path)
+    with pytest.raises(ConfigError, match="this config differs from the run's") as err:
+        _resume(tmp_path, run_dir, change)
+    assert named in str(err.value)
+
+
+def test_steps_of_a_cosine_schedule_are_its_meaning(tmp_path):
+    run_dir = _saved(tmp_path, "train.schedule=cosine")
+    with pytest.raises(ConfigError, match=r"train\.steps: 4 -> 8"):
+        _resume(tmp_path, run_dir, "train.schedule=cosine", "train.steps=8")
+    _resume(tmp_path, run_dir, "train.schedule=cosine", "log.console=false")
+
+
+def test_a_new_run_needs_an_empty_directory(tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}"])
+    assert prepare_run_dir(cfg, run_dir) is None  # absent
+    run_dir.mkdir(parents=True)
+    assert prepare_run_dir(cfg, run_dir) is None  # empty
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=f"run directory {run_dir} already holds a run"):
+        prepare_run_dir(cfg, run_dir)
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed_into_a_run(tmp_path):
+    run_dir = _saved(tmp_path)
+    other = tmp_path / "runs" / "other" / "checkpoints" / "step-2"
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", f"checkpoint.resume={other}"])
+    with pytest.raises(ConfigError, match=f"the run directory {run_dir} holds another run"):
+        prepare_run_dir(cfg, run_dir)
+    own = run_dir / "checkpoints" / "step-2"
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", f"checkpoint.resume={own}"])
+    assert prepare_run_dir(cfg, run_dir) is None
