@@ -1,19 +1,26 @@
 """Rollouts generated ahead of the learner (``runtime.max_staleness``) on the tiny model:
-the run still learns, no sample is staler than the bound, and a run stopped mid-way and
+the run still learns, no sample is staler than the bound, a run stopped mid-way and
 resumed from its checkpoint learns on every prompt of the data order exactly once, even
-though the producer had already drawn and generated the prompts of later steps."""
+though the producer had already drawn and generated the prompts of later steps, and it is
+the same run as one that did not stop: the checkpoint carries the batches generated and
+not yet learned, with the sampler and the sampling RNG as they were after them."""
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
+
+import pytest
 
 from rltune.data.sampler import PromptSampler
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
 
 ASYNC = ("algo.importance_correction=token-truncate",)
+TIMING = ("samples_per_s", "tokens_per_s", "async/learner_idle_frac", "async/generator_idle_frac")
+"""Wall-clock metrics (with every ``time/*``): the only ones two runs may differ in."""
 
 
 def test_grpo_ahead_of_the_learner_raises_the_reward(tiny_grpo_config) -> None:
@@ -46,3 +53,39 @@ def test_a_resumed_run_learns_every_prompt_once(tiny_grpo_config) -> None:
     expected = {step: sorted(resumed.train_prompts[i].id for i in sampler.next_batch(per_step))
                 for step in range(1, steps + 1)}
     assert {step: sorted(ids) for step, ids in learned.items()} == expected
+
+
+def _deterministic(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/")) and k not in TIMING}
+
+
+def _differing(a: dict[str, float], b: dict[str, float]) -> list[str]:
+    """Names of the metrics that differ between ``a`` and ``b`` (NaN equals NaN)."""
+    a, b = _deterministic(a), _deterministic(b)
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not (
+        a[k] == b[k] or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k]))))
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_a_resumed_run_is_the_run_that_did_not_stop(tiny_grpo_config) -> None:
+    """4 steps straight against 2, stop, resume to 4, one batch ahead of the learner: every
+    step's metrics (timing aside) and every sample are identical, steps 3 and 4 included,
+    whose batches were generated before the stop. The evaluations (sampled, at every step)
+    use the producer's generator and its RNG between batches, so the pauses are covered."""
+    overrides = (*ASYNC, "runtime.max_staleness=1", "train.steps=4", "train.prompts_per_step=4",
+                 "algo.group_size=4", "checkpoint.every=2", "checkpoint.resume=auto", "data.shuffle=true",
+                 "data.eval=builtin:arith_small/eval", "eval.every=1", "eval.max_prompts=4",
+                 "eval.temperature=1.0", "train.threads=1")
+    straight = build_run(tiny_grpo_config(*overrides, "name=straight"))
+    train(straight)
+    train(build_run(tiny_grpo_config(*overrides, "name=stopped")), stop_after=2)
+    resumed = build_run(tiny_grpo_config(*overrides, "name=stopped"))
+    train(resumed)
+    a = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    differing = {m["step"]: _differing(m, n) for m, n in zip(a, b)}
+    assert not any(differing.values()), "; ".join(
+        f"step {step}: {len(names)} differ ({', '.join(names)})" for step, names in differing.items() if names)
+    assert max(m.get("staleness/max", 0.0) for m in a) == 1.0  # the batches were one version behind
+    assert (straight.run_dir / "samples.jsonl").read_text() == (resumed.run_dir / "samples.jsonl").read_text()

@@ -1,6 +1,7 @@
 """The producer that generates ahead of the learner, driven by stand-ins for the sampler
-and the generator: the queue bound, one policy version per batch, stale batches dropped
-and counted, the sampler state a checkpoint records, pausing, and failures."""
+and the generator: the queue bound, one policy version per batch, the weights a batch
+loads fixed by the order of events and not by thread timing, stale batches dropped and
+counted, the queue a checkpoint saves and restores, pausing, and failures."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.data.records import Prompt, Rollout
 from rltune.metrics.types import Sum
 from rltune.runtime.rollouts import AsyncRollouts
@@ -23,10 +25,14 @@ class Fake:
     """A sampler over prompt ids 0, 1, 2, ... and a generator that tags every rollout
     with the version of the weights it holds."""
 
-    def __init__(self, *, gate: threading.Event | None = None, fail_at: int | None = None) -> None:
+    def __init__(self, *, gate: threading.Event | None = None, fail_at: int | None = None,
+                 load_s: float = 0.0) -> None:
         self.next_id = 0
         self.version = 0
         self.loads: list[int] = []
+        self.copies: list[int] = []
+        """The value of ``w`` in each dict of weights loaded, as copied."""
+        self.load_s = load_s
         self.batches = 0
         self.gate = gate
         self.fail_at = fail_at
@@ -35,9 +41,6 @@ class Fake:
         ids = range(self.next_id, self.next_id + n)
         self.next_id += n
         return [Prompt(id=str(i), text=str(i)) for i in ids]
-
-    def state(self) -> dict:
-        return {"next": self.next_id}
 
     def collect(self, prompts, metrics, clock):
         self.batches += 1
@@ -52,12 +55,15 @@ class Fake:
         return prompts, rollouts
 
     def load(self, version: int, tensors) -> None:
+        time.sleep(self.load_s)
+        if tensors is not None:
+            self.copies.append(dict(tensors)["w"])
         self.loads.append(version)
         self.version = version
 
 
 def make(fake: Fake, k: int) -> AsyncRollouts:
-    return AsyncRollouts(max_staleness=k, prompts_per_step=2, draw=fake.draw, sampler_state=fake.state,
+    return AsyncRollouts(max_staleness=k, prompts_per_step=2, draw=fake.draw,
                          collect=fake.collect, load_weights=fake.load, clock=Clock)
 
 
@@ -108,29 +114,68 @@ def test_batches_older_than_the_bound_are_dropped_and_counted() -> None:
     ahead.close()
 
 
-def test_the_checkpointed_sampler_state_is_before_the_oldest_unlearned_batch() -> None:
+def test_the_learner_keeps_its_weights_until_the_producer_has_loaded_them() -> None:
+    """A published dict may alias the learner's live weights. ``take`` returns only once
+    the producer has copied the weights published before it, so neither the learner's next
+    update (in place) nor its next publish reaches the batch that the take made room for,
+    however slowly the producer loads."""
+    fake = Fake(load_s=0.2)
+    ahead = make(fake, 1)
+    weights = {"w": 1}
+    ahead.take(0)  # batch 1; batch 2 starts on the initial weights
+    ahead.publish(1, weights)  # the end of step 1
+    ahead.take(1)  # batch 2; batch 3 starts on version 1
+    weights["w"] = 2  # step 2 learns in place ...
+    ahead.publish(2, weights)  # ... and publishes
+    _, rollouts, *_ = ahead.take(2)  # batch 3; batch 4 starts on version 2
+    assert {r.policy_version for r in rollouts} == {1} and fake.copies == [1, 2]
+    ahead.close()
+
+
+def test_the_queue_is_read_between_batches() -> None:
     gate = threading.Event()
     fake = Fake(gate=gate)
     ahead = make(fake, 2)
-    assert ahead.sampler_state() == {"next": 0}  # not started
+    ahead._start()
+    wait_until(lambda: fake.batches == 1)
+    with pytest.raises(RuntimeError, match="while paused"):
+        ahead.queued()
     gate.set()
-    ahead.take(0)  # learned prompts 0, 1
-    wait_until(lambda: len(ahead._queue) == 2)
-    assert fake.next_id == 6 and ahead.sampler_state() == {"next": 2}
-    ahead.take(0)
-    assert ahead.sampler_state() == {"next": 4}
+    ahead.take(0)  # prompts 0, 1; returns once batch 3 has started
+    with ahead.paused():
+        assert [[p.id for p in b.prompts] for b in ahead.queued()] == [["2", "3"], ["4", "5"]]
+        assert fake.next_id == 6
+    ahead.close()
+
+
+def test_a_restored_queue_is_taken_before_new_batches() -> None:
+    fake = Fake()
+    ahead = make(fake, 1)
+    saved = QueuedBatch(prompts=[Prompt(id="a", text="a")], metrics={"perf/calls": Sum(1.0)}, version=3,
+                        rollouts=[Rollout(prompt_id="a", group=0, prompt_ids=[1], completion_ids=[2], text="x",
+                                          completion_logprobs=None, loss_mask=None, finish_reason="stop",
+                                          policy_version=3)])
+    fake.version = 4  # the caller loads the learner's weights into the generator
+    ahead.restore([saved], version=4)
+    prompts, rollouts, metrics, _ = ahead.take(4)
+    assert prompts == saved.prompts and rollouts == saved.rollouts and metrics["perf/calls"] == Sum(1.0)
+    prompts, *_ = ahead.take(4)
+    assert [p.id for p in prompts] == ["0", "1"] and fake.loads == []  # restore() left the weights as loaded
     ahead.close()
 
 
 def test_paused_holds_the_producer_between_batches() -> None:
-    fake = Fake()
+    gate = threading.Event()
+    fake = Fake(gate=gate)
     ahead = make(fake, 3)
-    ahead.take(0)
-    with ahead.paused():
-        held = fake.batches
+    ahead._start()
+    wait_until(lambda: fake.batches == 1)  # batch 1 is being made
+    threading.Timer(0.05, gate.set).start()
+    with ahead.paused():  # waits for batch 1, then holds the producer
+        assert len(ahead._queue) == 1 and not ahead._busy
         time.sleep(0.05)
-        assert fake.batches == held and not ahead._busy
-    wait_until(lambda: fake.batches > held)
+        assert fake.batches == 1 and len(ahead._queue) == 1
+    wait_until(lambda: len(ahead._queue) == 3)
     ahead.close()
 
 
