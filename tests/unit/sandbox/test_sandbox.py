@@ -8,15 +8,20 @@ private uid, so it needs an interpreter any user can reach (``/usr/bin/python3``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+import shutil
+import stat
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from fractions import Fraction
 from decimal import Decimal
 from pathlib import Path
@@ -296,17 +301,39 @@ print(r.isolation, r.stdout.strip(), r.exit_code, len(caught))
 """
 
 
+@contextlib.contextmanager
+def _readable_copy_of_the_sandbox() -> Iterator[str]:
+    """A copy of ``rltune/sandbox`` that nobody can import, in a fresh world-readable
+    folder: the checkout may live where only its owner can read (a clone under a 0700
+    ``mktemp -d`` folder), and an ordinary user running rltune has their own copy."""
+    base = Path(tempfile.gettempdir())
+    closed = [str(d) for d in (base, *base.parents) if not d.stat().st_mode & stat.S_IXOTH]
+    if closed:
+        pytest.skip(f"the temporary folder {base} is not reachable by other users ({closed[0]})")
+    root = Path(tempfile.mkdtemp(prefix="rltune-sandbox-copy-"))
+    try:
+        shutil.copytree(REPO / "rltune" / "sandbox", root / "rltune" / "sandbox",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(REPO / "rltune" / "__init__.py", root / "rltune" / "__init__.py")
+        for path in (root, *root.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        yield str(root)
+    finally:
+        shutil.rmtree(root)
+
+
 @needs_system_python
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to start a process as nobody")
 @pytest.mark.parametrize("mech", [_mechanism("bwrap"), "rlimits-only"])
 def test_as_a_non_root_user(mech: str) -> None:
     """The same code run by an ordinary user (nobody): bwrap in a user namespace, or the
     rlimits-only fallback with the process limit counted on top of the user's tasks."""
-    out = subprocess.run(
-        [SYSTEM_PYTHON, "-I", "-c", NON_ROOT_SCRIPT.format(repo=str(REPO)), mech],
-        user=65534, group=65534, extra_groups=[], capture_output=True, text=True,
-        timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"},
-    )
+    with _readable_copy_of_the_sandbox() as root:
+        out = subprocess.run(
+            [SYSTEM_PYTHON, "-I", "-c", NON_ROOT_SCRIPT.format(repo=root), mech],
+            user=65534, group=65534, extra_groups=[], capture_output=True, text=True,
+            timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"},
+        )
     if out.stderr.startswith("unavailable:"):  # e.g. no unprivileged user namespaces
         pytest.skip(f"{mech} as an ordinary user: {out.stderr.strip()}")
     assert out.returncode == 0, out.stderr
