@@ -34,9 +34,12 @@ counted twice) changes entries by ~|g| >= A / 100: a thousand times more.
 **The update.** AdamW's first step moves a parameter by ``lr * g / (|g| + eps)`` (``m = g``,
 ``v = g^2`` after bias correction), whose slope in ``g`` is at most ``lr / eps``. Clipping
 scales ``g`` by ``s = c / |g|_2``; a gradient error ``T`` changes ``s g`` by at most ``s (T +
-|g| |T|_2 / |g|_2)``. The update's own arithmetic is a fixed sequence of ~8 roundings
-(moments, bias corrections, square root, eps, division, lr), each relative ``u``, and the
-parameter is rounded once (``u |p|``), on each side.
+|g| |T|_2 / |g|_2)``, and each side's rounding of ``|g|_2`` (a sum of ``n`` squares, all >= 0,
+so within ``(n - 1) u`` of it, relative, halved by the square root; ``n`` the largest
+tensor's size, then the number of tensors) changes ``s`` by up to ``n u / 2``, relative.
+The update's own arithmetic is a fixed sequence of ~8 roundings (moments, bias
+corrections, square root, eps, division, lr), each relative ``u``, and the parameter is
+rounded once (``u |p|``), on each side.
 """
 
 from __future__ import annotations
@@ -106,9 +109,10 @@ def update_tolerance(
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
     tol_norm = torch.sqrt(sum((t.double() ** 2).sum() for t in grad_tol.values()))
     scale = 1.0 if clip is None else min(1.0, clip / float(norm))
+    norm_rounding = 0.0 if scale == 1.0 else (max(g.numel() for g in grads.values()) + len(grads)) * U
     out = {}
     for name, p in params.items():
-        g_tol = scale * (grad_tol[name] + grads[name].abs() * float(tol_norm / norm))
+        g_tol = scale * (grad_tol[name] + grads[name].abs() * (float(tol_norm / norm) + norm_rounding))
         out[name] = lr / eps * g_tol + 2 * U * (p.abs() + 8 * lr)
     return out
 
