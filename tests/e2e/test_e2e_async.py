@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import pytest
 
+from rltune.checkpoint.store import latest_checkpoint, load_checkpoint
 from rltune.data.sampler import PromptSampler
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
@@ -41,7 +42,10 @@ def test_a_resumed_run_learns_every_prompt_once(tiny_grpo_config) -> None:
                  "checkpoint.resume=auto", "data.shuffle=true")
     run = build_run(tiny_grpo_config(*overrides))
     train(run, stop_after=3)
-    assert run.rollouts._queue, "the producer should have run ahead of the checkpoint"
+    # the checkpoint carries the batches of steps 4 and 5, generated before the stop; the
+    # resumed run learns them, then draws from where the producer left off
+    _, meta = load_checkpoint(latest_checkpoint(run.run_dir / "checkpoints"))
+    assert [len(batch["prompts"]) for batch in meta["queue"]] == [per_step, per_step]
     resumed = build_run(tiny_grpo_config(*overrides))
     train(resumed)
     learned = defaultdict(list)
