@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/rltune train recipes/arith-grpo.yaml checkpoint.overwrite=true
 
 test: setup browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
