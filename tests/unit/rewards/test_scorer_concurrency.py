@@ -8,12 +8,14 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rltune.config.schema import RewardFnConfig
 from rltune.data.records import Prompt, Rollout
+from rltune.rewards import scorer as scorer_module
 from rltune.rewards.contract import SampleDropped, batched
 from rltune.rewards.scorer import LocalScorer, RewardFn, build_reward_fns
 
@@ -34,20 +36,20 @@ def _length(prompt, completion, **meta):
 
 
 def test_a_hung_call_times_out_as_an_error_and_the_rest_still_score() -> None:
-    release = threading.Event()
+    release, hung_returned = threading.Event(), threading.Event()
 
     def sometimes_hangs(prompt, completion, **meta):
         if completion == "hang":
             release.wait(30)
+            hung_returned.set()
         return 1.0
 
     scorer = LocalScorer([RewardFn("r", sometimes_hangs, timeout_s=0.3)], max_workers=2)
     rollouts = [_rollout("a", "ok"), _rollout("a", "hang"), _rollout("b", "fine")]
-    start = time.perf_counter()
     stats = scorer.score(PROMPTS, rollouts)
-    elapsed = time.perf_counter() - start
+    # the hung call is still hanging: score() did not wait for it (it would have had 1.0)
+    assert not hung_returned.is_set()
     release.set()
-    assert elapsed < 2.0
     assert [r.reward for r in rollouts] == [1.0, None, 1.0]
     assert rollouts[1].reward_error == "r: timed out (call took over 0.3 s)"
     assert stats.timeouts == 1 and stats.errors == 1 and stats.per_fn_errors == {"r": 1}
@@ -60,14 +62,16 @@ def test_a_hung_call_times_out_as_an_error_and_the_rest_still_score() -> None:
 
 def test_a_timeout_counts_from_when_the_call_starts_not_when_it_was_queued() -> None:
     def slow(prompt, completion, **meta):
-        time.sleep(0.2)
+        time.sleep(0.1)
         return 1.0
 
-    # one worker, four calls of 0.2 s: the last waits 0.6 s in the queue, under its 0.5 s limit
-    scorer = LocalScorer([RewardFn("r", slow, timeout_s=0.5, cache=False)], max_workers=1)
-    rollouts = [_rollout("a", "x") for _ in range(4)]
+    # one worker, twelve calls of at least 0.1 s (a sleep is never shorter): the last waits
+    # at least 1.1 s in the queue, beyond its 1 s limit, while each call takes a tenth of
+    # it (the margin a slow machine has, 0.9 s, is nine times the call)
+    scorer = LocalScorer([RewardFn("r", slow, timeout_s=1.0, cache=False)], max_workers=1)
+    rollouts = [_rollout("a", "x") for _ in range(12)]
     stats = scorer.score(PROMPTS, rollouts)
-    assert [r.reward for r in rollouts] == [1.0] * 4 and stats.timeouts == 0
+    assert [r.reward for r in rollouts] == [1.0] * 12 and stats.timeouts == 0
     scorer.close()
 
 
@@ -133,20 +137,31 @@ def test_the_cache_keeps_the_most_recently_used_entries() -> None:
 
 
 def test_async_rewards_run_concurrently_and_time_out_by_cancelling() -> None:
+    # Each of the ten calls waits until all ten have started: together they all return;
+    # one after another, the first would wait for the others until its 1 s limit cut it.
+    # The slow one waits for nothing that comes, so only the limit ends it.
+    started, all_in, cancelled = [], asyncio.Event(), threading.Event()
+
     async def judge(prompt, completion, **meta):
-        await asyncio.sleep(5.0 if completion == "slow" else 0.2)
+        if completion == "slow":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        started.append(completion)
+        if len(started) == 10:
+            all_in.set()
+        await all_in.wait()
         return 0.5
 
     scorer = LocalScorer([RewardFn("j", judge, timeout_s=1.0, cache=False)], max_workers=1)
     rollouts = [_rollout("a", f"t{i}") for i in range(10)] + [_rollout("b", "slow")]
-    start = time.perf_counter()
     stats = scorer.score(PROMPTS, rollouts)
-    elapsed = time.perf_counter() - start
-    # ten 0.2 s calls at once (not 2 s in a row), the slow one cut at 1 s
-    assert elapsed < 1.8
     assert [r.reward for r in rollouts[:10]] == [0.5] * 10
     assert rollouts[10].reward is None and stats.timeouts == 1
     assert rollouts[10].reward_error == "j: timed out (call took over 1 s)"
+    assert cancelled.wait(10)  # the slow call was cancelled, not left running
     scorer.close()
 
 
@@ -222,16 +237,23 @@ def test_a_dropped_sample_is_masked_but_not_an_error() -> None:
     assert stats.metrics()["reward/dropped"] == 1.0 and stats.metrics()["reward/errors/safety"] == 0.0
 
 
-def test_metrics_time_each_reward_function() -> None:
+def test_metrics_time_each_reward_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The scorer's clock moves only while "slow" works (0.05 s a call), and one worker runs
+    # the calls one at a time: what each function is charged is then exact, whatever else
+    # the machine is doing.
+    now = [100.0]
+    monkeypatch.setattr(scorer_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
     def slow(prompt, completion, **meta):
-        time.sleep(0.05)
+        now[0] += 0.05
         return 1.0
 
-    with LocalScorer([RewardFn("slow", slow, cache=False), RewardFn("len", _length)]) as scorer:
+    fns = [RewardFn("slow", slow, cache=False), RewardFn("len", _length)]
+    with LocalScorer(fns, max_workers=1) as scorer:
         stats = scorer.score(PROMPTS, [_rollout("a", "x"), _rollout("b", "y")])
     m = stats.metrics()
-    assert 0.1 <= m["time/reward/slow"] < 0.5
-    assert m["time/reward/len"] < 0.05
+    assert m["time/reward/slow"] == pytest.approx(0.1, abs=1e-12)  # two calls, summed
+    assert m["time/reward/len"] == 0.0
     assert m["perf/reward_calls/slow"] == 2.0 and m["reward/timeouts"] == 0.0
 
 
