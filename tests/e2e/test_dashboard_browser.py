@@ -212,7 +212,7 @@ def test_the_rollout_browser_shows_completions_from_samples_jsonl(dashboard: Das
 def test_the_config_view_shows_the_runs_resolved_config(dashboard: Dashboard) -> None:
     page = dashboard.page
     page.select_option("#config-run", RUN)
-    page.wait_for_selector(f'#config-text[data-run="{RUN}"]', timeout=10_000)
+    page.wait_for_selector(f'#config-text[data-run="{RUN}"]', timeout=STEP_WAIT_MS)
     text = page.text_content("#config-text")
     assert f"name: {RUN}\n" in text
     assert text == (dashboard.run_dir / "config.yaml").read_text()
@@ -222,11 +222,11 @@ def test_a_chart_without_data_for_the_shown_runs_says_so(dashboard: Dashboard) -
     page = dashboard.page
     toggle = f'#run-list li[data-run="{RUN}"] input'
     page.uncheck(toggle)
-    page.wait_for_selector("#chart-kl .no-data", state="visible", timeout=5_000)
+    page.wait_for_selector("#chart-kl .no-data", state="visible", timeout=STEP_WAIT_MS)
     assert page.text_content("#chart-kl .no-data") == "no data"
     assert page.is_visible("#chart-reward .plot")
     page.check(toggle)
-    page.wait_for_selector("#chart-kl .plot", state="visible", timeout=5_000)
+    page.wait_for_selector("#chart-kl .plot", state="visible", timeout=STEP_WAIT_MS)
 
 
 def test_no_console_or_page_errors(dashboard: Dashboard) -> None:
