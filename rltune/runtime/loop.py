@@ -356,7 +356,7 @@ def _evaluate(run: Run, bar: ConsoleProgress) -> dict[str, float]:
         f"{k[len('eval/'):].removeprefix('reward/')} {v:.3f}" for k, v in metrics.items()
         if k.startswith(("eval/reward/", "eval/pref/")) and k not in skip
     )
-    errors = f"  (errors {metrics['eval/reward/errors']:.0f})" if "eval/reward/errors" in metrics else ""
+    errors = f"  (errors {metrics['eval/reward/errors']:.0f})" if metrics.get("eval/reward/errors") else ""
     bar.print(f"eval at step {run.step}: {shown}{errors}")
     return metrics
 
