@@ -128,10 +128,10 @@ def arith(split: str) -> list[dict[str, str]]:
     """Two-digit addition: operands 0..99, 300 eval rows, 4000 distinct train rows.
 
     ``train-sloppy`` is the train split demonstrated by a sloppy teacher that forgets the
-    carry in 60 % of the problems that have one (:func:`with_sloppy_teacher`): imitation
+    carry in 80 % of the problems that have one (:func:`with_sloppy_teacher`): imitation
     learns the teacher's habit, a reward that checks the answer does not."""
     if split == "train-sloppy":
-        return with_sloppy_teacher(arith_rows("train"), slip=0.6)
+        return with_sloppy_teacher(arith_rows("train"), slip=0.8)
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r}; this task has 'train', 'eval' and 'train-sloppy'")
     return arith_rows(split)

@@ -81,7 +81,9 @@ def test_sloppy_teacher_drops_the_carry_in_some_carry_problems_only() -> None:
     for row in wrong:  # 37+45 -> 72: the sum less the carried ten
         a, b = (int(x) for x in row["prompt"].rstrip("=").split("+"))
         assert (a % 10 + b % 10) >= 10 and int(row["completion"]) == a + b - 10
-    assert 0.5 < len(wrong) / len(carry) < 0.7  # slip 0.6
+    # slip 0.8 over ~1,800 carry problems: the binomial's sd is sqrt(0.8 * 0.2 / 1800) ~ 0.01,
+    # so 0.75-0.85 is five sd either side (the draws are seeded; this bounds the rate, not luck)
+    assert 0.75 < len(wrong) / len(carry) < 0.85
     assert with_sloppy_teacher(clean[:5], slip=0.0) == clean[:5]
     with pytest.raises(ValueError, match="train-sloppy"):
         arith("test")
