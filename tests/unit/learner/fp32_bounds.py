@@ -44,6 +44,8 @@ rounded once (``u |p|``), on each side.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rltune.data.records import TrainBatch
@@ -134,3 +136,32 @@ def assert_within(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
                   tol: dict[str, torch.Tensor], what: str) -> None:
     worst, where = worst_excess(got, expected, tol)
     assert worst <= 1.0, f"{what} of {where} differ by {worst:.3g} times the derived tolerance"
+
+
+# ------------------------------------------------------------ shared by the invariance tests
+
+
+def capture_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A dict that fills with each parameter's accumulated gradient as the backward passes
+    finish (before any clipping): the last call of the hook sees the whole sum."""
+    grads: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.update({name: p.grad.clone()}))
+    return grads
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def first_twice(right: Objective) -> Objective:
+    """A mistake for the controls: the first micro-batch counted twice."""
+    calls = []
+
+    def loss(out, mb, denominator):
+        calls.append(mb)
+        total, metrics = right.loss(out, mb, denominator)
+        return (2 if len(calls) == 1 else 1) * total, metrics
+
+    return dataclasses.replace(right, loss=loss)
+

@@ -184,14 +184,8 @@ def run_step(model, objective: Objective, batch: TrainBatch, budget: int, grad_c
     learner = LocalLearner(model, objective, TrainConfig(lr=LR, grad_clip=grad_clip, micro_batch_tokens=budget))
     for group in learner.optimizer.param_groups:
         group["eps"] = ADAM_EPS
-    grads: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():  # the last call sees the accumulated gradient
-        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.update({name: p.grad.clone()}))
+    grads = fp32.capture_grads(model)
     return model, scalars(learner.step(batch)), grads
-
-
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 @torch.no_grad()
@@ -213,12 +207,12 @@ class Whole:
     def __init__(self, model, objective: Objective, batch: TrainBatch, grad_clip) -> None:
         self.model, self.metrics, self.grads = run_step(model, objective, batch, 10_000, grad_clip)
         self.grad_tol = fp32.gradient_tolerance(fp32.gradient_scales(copy.deepcopy(model), objective, batch), batch)
-        self.param_tol = fp32.update_tolerance(params(model), self.grads, self.grad_tol,
+        self.param_tol = fp32.update_tolerance(fp32.params(model), self.grads, self.grad_tol,
                                                lr=LR, eps=ADAM_EPS, clip=grad_clip)
 
     def assert_same_update(self, model, metrics, grads) -> None:
         fp32.assert_within(grads, self.grads, self.grad_tol, "gradients")
-        fp32.assert_within(params(model), params(self.model), self.param_tol, "parameters")
+        fp32.assert_within(fp32.params(model), fp32.params(self.model), self.param_tol, "parameters")
         # the loss sums <= T = 24 positions per row and 8 pairs: (24 + 8) u per side
         # relative to its sum of |terms|, which is a few times |loss| here; 1e-5 = 168 u
         # (measured: at most 9 u apart on AVX-512, AVX2 and scalar kernels)
@@ -235,7 +229,7 @@ def test_update_does_not_depend_on_micro_batching(tiny_model, tiny_rm, pairs, re
     if grad_clip is not None:
         assert whole.metrics["grad_norm"] > 10 * grad_clip
     # the step moves weights by far more than the tolerance: the check can tell them apart
-    assert fp32.worst_excess(params(whole.model), params(model), whole.param_tol)[0] > 10
+    assert fp32.worst_excess(fp32.params(whole.model), fp32.params(model), whole.param_tol)[0] > 10
     for chunks in (2, 4):
         got_model, metrics, grads = run_step(model, objective, batch, budget_for(batch, chunks), grad_clip)
         whole.assert_same_update(got_model, metrics, grads)
@@ -249,19 +243,8 @@ def _own_pairs(right: Objective) -> Objective:
     return dataclasses.replace(right, loss=lambda out, mb, _d: right.loss(out, mb, pref.pair_count(mb)))
 
 
-def _first_twice(right: Objective) -> Objective:
-    """The first micro-batch counted twice."""
-    calls = []
 
-    def loss(out, mb, denominator):
-        calls.append(mb)
-        total, metrics = right.loss(out, mb, denominator)
-        return (2 if len(calls) == 1 else 1) * total, metrics
-
-    return dataclasses.replace(right, loss=loss)
-
-
-@pytest.mark.parametrize("mistake", [_own_pairs, _first_twice], ids=["own-denominator", "counted-twice"])
+@pytest.mark.parametrize("mistake", [_own_pairs, fp32.first_twice], ids=["own-denominator", "counted-twice"])
 @pytest.mark.parametrize("name", ["dpo", "reward_model"])
 def test_micro_batch_invariance_check_can_fail(tiny_model, tiny_rm, pairs, ref, name, mistake) -> None:
     """Control: a real accumulation mistake moves the gradients and the update by many
@@ -274,7 +257,7 @@ def test_micro_batch_invariance_check_can_fail(tiny_model, tiny_rm, pairs, ref, 
     with pytest.raises(AssertionError, match="times the derived tolerance"):
         whole.assert_same_update(got_model, metrics, grads)
     assert fp32.worst_excess(grads, whole.grads, whole.grad_tol)[0] > 100
-    assert fp32.worst_excess(params(got_model), params(whole.model), whole.param_tol)[0] > 10
+    assert fp32.worst_excess(fp32.params(got_model), fp32.params(whole.model), whole.param_tol)[0] > 10
 
 
 # ---------------------------------------------------------------- batching and evaluation

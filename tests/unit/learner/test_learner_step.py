@@ -109,14 +109,8 @@ def run_split(
         learner.objective = objective
     for group in learner.optimizer.param_groups:
         group["eps"] = ADAM_EPS
-    grads: dict[str, torch.Tensor] = {}
-    for name, p in copy_.named_parameters():  # the last call sees the accumulated gradient
-        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.update({name: p.grad.clone()}))
+    grads = fp32.capture_grads(copy_)
     return copy_, scalars(learner.step(batch)), grads
-
-
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 @torch.no_grad()
@@ -138,7 +132,7 @@ class Whole:
         self.model, self.metrics, self.grads = run_split(model, batch, algo, aggregation, 10_000, grad_clip, objective)
         objective = objective or make_learner(copy.deepcopy(model), algo, aggregation).objective
         self.grad_tol = fp32.gradient_tolerance(fp32.gradient_scales(copy.deepcopy(model), objective, batch), batch)
-        self.param_tol = fp32.update_tolerance(params(model), self.grads, self.grad_tol,
+        self.param_tol = fp32.update_tolerance(fp32.params(model), self.grads, self.grad_tol,
                                                lr=LR, eps=ADAM_EPS, clip=grad_clip)
         positions = batch.input_ids.numel()
         # the loss: a sum over N positions of terms rounded like the gradients' (4 N u of
@@ -154,7 +148,7 @@ class Whole:
 
     def assert_same_update(self, model: torch.nn.Module, metrics: dict, grads: dict[str, torch.Tensor]) -> None:
         fp32.assert_within(grads, self.grads, self.grad_tol, "gradients")
-        fp32.assert_within(params(model), params(self.model), self.param_tol, "parameters")
+        fp32.assert_within(fp32.params(model), fp32.params(self.model), self.param_tol, "parameters")
         assert abs(metrics["loss"] - self.metrics["loss"]) <= self.loss_tol
         assert metrics["grad_norm"] == pytest.approx(self.metrics["grad_norm"], rel=self.grad_norm_rel)
 
@@ -175,7 +169,7 @@ def test_update_does_not_depend_on_micro_batching(
     if grad_clip is not None:
         assert whole.metrics["grad_norm"] > 10 * grad_clip  # the clip is really active
     # the step moves weights by far more than the tolerance: the check can tell them apart
-    assert fp32.worst_excess(params(whole.model), params(tiny_model), whole.param_tol)[0] > 10
+    assert fp32.worst_excess(fp32.params(whole.model), fp32.params(tiny_model), whole.param_tol)[0] > 10
     for chunks in (2, 4):
         model, metrics, grads = run_split(tiny_model, batch, algo, aggregation, budget_for(batch, chunks), grad_clip)
         whole.assert_same_update(model, metrics, grads)
@@ -187,19 +181,8 @@ def _own_tokens(right: Objective) -> Objective:
     return dataclasses.replace(right, loss=lambda out, mb, _den: right.loss(out, mb, loss_denominator(mb.loss_mask)))
 
 
-def _first_twice(right: Objective) -> Objective:
-    """The first micro-batch counted twice."""
-    calls = []
 
-    def loss(out, mb, denominator):
-        calls.append(mb)
-        total, metrics = right.loss(out, mb, denominator)
-        return (2 if len(calls) == 1 else 1) * total, metrics
-
-    return dataclasses.replace(right, loss=loss)
-
-
-@pytest.mark.parametrize("mistake", [_own_tokens, _first_twice], ids=["own-denominator", "counted-twice"])
+@pytest.mark.parametrize("mistake", [_own_tokens, fp32.first_twice], ids=["own-denominator", "counted-twice"])
 def test_micro_batch_invariance_check_can_fail(tiny_model: torch.nn.Module, batch: TrainBatch, mistake) -> None:
     """Control: a real accumulation mistake moves the gradients and the update by many
     times the derived tolerances above."""
@@ -210,7 +193,7 @@ def test_micro_batch_invariance_check_can_fail(tiny_model: torch.nn.Module, batc
     with pytest.raises(AssertionError, match="times the derived tolerance"):
         whole.assert_same_update(model, metrics, grads)
     assert fp32.worst_excess(grads, whole.grads, whole.grad_tol)[0] > 100
-    assert fp32.worst_excess(params(model), params(whole.model), whole.param_tol)[0] > 10
+    assert fp32.worst_excess(fp32.params(model), fp32.params(whole.model), whole.param_tol)[0] > 10
 
 
 # ---------------------------------------------------------------- non-finite guard
