@@ -168,7 +168,9 @@ def test_bad_pair_names_file_row_and_setting(tmp_path, chatml_tok, name):
         assert part in message, (part, message)
     skip = load_prompts(str(src), DataConfig(on_bad_row="skip"), chatml_tok, with_pairs=True)
     assert [p.id for p in skip.prompts] == [f"{name}.jsonl:1", f"{name}.jsonl:3"]
-    assert skip.skipped == 1 and skip.skip_examples == [message]
+    # the skipped row is reported as the error was, less the hint to skip such rows
+    assert skip.skipped == 1 and skip.skip_examples == [message[: message.index(", or set")]]
+    assert "on_bad_row" not in skip.skip_examples[0]
 
 
 def test_sft_rows_are_not_pairs(tmp_path, chatml_tok):
