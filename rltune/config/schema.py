@@ -333,23 +333,19 @@ class CheckpointConfig(_Section):
     """Save every N steps; 0 saves only at the end."""
     keep: int = Field(2, ge=1)
     resume: str = "never"
-    """``never``: a new run, in an absent or empty run directory (``log.dir/NAME``);
-    ``auto``: continue from the newest complete checkpoint of this run, if any; or the path
-    of a checkpoint to continue from. A resume refuses a config whose meaning differs from
-    the run's (``rltune/runtime/rundir.py`` lists what may change)."""
+    """``never`` (a new run, in an absent or empty ``log.dir/NAME``), ``auto`` (the newest
+    complete checkpoint of this run, if any) or a path; ``runtime/rundir.py`` lists what a
+    resume may change."""
     overwrite: bool = False
-    """With ``resume: never``: move an existing run directory aside to ``NAME.old-N`` (the
-    first free N; nothing is deleted) and start afresh; False refuses to start there."""
+    """With ``resume: never``: move an existing run directory aside to ``NAME.old-N``."""
     final: bool = True
     """Also write the final model as an HF directory (``RUN/final``)."""
 
     @model_validator(mode="after")
     def _fresh_only(self) -> "CheckpointConfig":
         if self.overwrite and self.resume != "never":
-            raise ValueError(
-                f"overwrite moves the old run aside to start afresh; it cannot be combined with "
-                f"resume={self.resume} (set checkpoint.resume=never, or drop checkpoint.overwrite)"
-            )
+            raise ValueError(f"overwrite starts afresh; it cannot be combined with resume={self.resume} "
+                             f"(set checkpoint.resume=never, or drop checkpoint.overwrite)")
         return self
 
 
