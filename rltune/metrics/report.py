@@ -12,22 +12,21 @@ that calls it."""
 from __future__ import annotations
 
 import html
-import json
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from rltune.metrics import keys
+from rltune.metrics.jsonl import JsonlError, JsonlReader
+
 Series = dict[int, float]
 """One metric: step -> value (finite values only; a later line at a step wins)."""
-
-REWARD_STATS = frozenset({"mean", "std", "min", "max", "errors", "timeouts", "dropped"})
-"""``reward/<name>`` keys that are statistics of the total reward, not a reward function."""
 
 SAMPLES_SHOWN = 3
 """How many of the best and how many of the worst rollouts the page shows."""
@@ -57,37 +56,6 @@ class RunData:
     notes: list[str] = field(default_factory=list)
 
 
-class JsonlReader:
-    """The objects of a JSON lines file, read line by line (a samples file can be large).
-
-    Iterating yields ``(line number, object)`` (numbers 1-based); blank lines are
-    skipped. A last line that is not complete JSON (or not complete UTF-8), as a run
-    still writing leaves it, is left out and ``cut_short`` is set; any other line that
-    is not a JSON object is a :class:`ReportError` naming the file and line."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.cut_short = False
-
-    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        failed: tuple[int, Exception] | None = None
-        with self.path.open("rb") as lines:
-            for number, raw in enumerate(lines, start=1):
-                if not raw.strip():
-                    continue
-                if failed is not None:  # the bad line was not the last one
-                    raise ReportError(f"{self.path}:{failed[0]}: not a JSON line ({failed[1]})") from failed[1]
-                try:
-                    value = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    failed = (number, exc)
-                    continue
-                if not isinstance(value, dict):
-                    raise ReportError(f"{self.path}:{number}: expected a JSON object, got {type(value).__name__}")
-                yield number, value
-        self.cut_short = failed is not None
-
-
 def load_run(run_dir: Path) -> RunData:
     """The metrics, samples and config of ``run_dir`` (``samples.jsonl`` and
     ``config.yaml`` may be missing; ``metrics.jsonl`` may not)."""
@@ -99,9 +67,12 @@ def load_run(run_dir: Path) -> RunData:
         raise ReportError(f"{metrics_path} does not exist: not a run directory, or the run has not started")
     data = RunData(run_dir=run_dir, name=run_dir.name)
     _read_config(run_dir / "config.yaml", data)
-    _read_metrics(metrics_path, data)
-    if (run_dir / "samples.jsonl").is_file():
-        _read_samples(run_dir / "samples.jsonl", data)
+    try:
+        _read_metrics(metrics_path, data)
+        if (run_dir / "samples.jsonl").is_file():
+            _read_samples(run_dir / "samples.jsonl", data)
+    except JsonlError as exc:
+        raise ReportError(str(exc)) from exc
     return data
 
 
@@ -148,11 +119,11 @@ def _read_metrics(path: Path, data: RunData) -> None:
         for key, value in row.items():
             if key == "step":
                 continue
-            if not key.startswith("eval/"):
+            if not keys.is_eval_key(key):
                 steps.add(step)
             number_value = _finite_number(value)
             if number_value is not None:
-                target = data.eval if key.startswith("eval/") else data.train
+                target = data.eval if keys.is_eval_key(key) else data.train
                 target.setdefault(key, {})[step] = number_value
     data.train_steps = sorted(steps)
     if metrics.cut_short:
@@ -173,17 +144,6 @@ def _finite_number(value: Any) -> float | None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
-
-
-def reward_functions(data: RunData) -> list[str]:
-    """Names of the reward functions: the ``reward/<name>`` training metrics that are not
-    statistics of the total (``reward/mean``, ``reward/std``, ...) and not nested."""
-    names = []
-    for key in data.train:
-        rest = key.removeprefix("reward/")
-        if key.startswith("reward/") and "/" not in rest and rest not in REWARD_STATS:
-            names.append(rest)
-    return sorted(names)
 
 
 # --------------------------------------------------------------------------- charts
@@ -218,14 +178,14 @@ def _finish(fig: Any, axes: Sequence[Any], path: Path, title: str, ylabel: Seque
 
 
 def _chart_reward(data: RunData, path: Path) -> bool:
-    mean, evals = data.train.get("reward/mean"), data.eval.get("eval/reward/mean")
+    mean, evals = data.train.get(keys.REWARD_MEAN), data.eval.get(keys.EVAL_REWARD_MEAN)
     if not mean and not evals:
         return False
     fig, [ax] = _figure()
     if mean:
         _line(ax, mean, "mean", linewidth=2.2, color="black")
-    for name in reward_functions(data):
-        _line(ax, data.train[f"reward/{name}"], name, linewidth=1.0, alpha=0.8)
+    for name in keys.reward_names(data.train):
+        _line(ax, data.train[keys.reward_key(name)], name, linewidth=1.0, alpha=0.8)
     if evals:
         steps = sorted(evals)
         ax.scatter(steps, [evals[s] for s in steps], label="eval mean", marker="D", s=36, color="tab:red", zorder=3)
@@ -233,11 +193,11 @@ def _chart_reward(data: RunData, path: Path) -> bool:
     return True
 
 
-def _chart_lines(keys: Sequence[tuple[str, str]], title: str, ylabel: str) -> Callable[[RunData, Path], bool]:
-    """A chart of one panel with a line for each of ``keys`` ((metric, label)) present."""
+def _chart_lines(lines: Sequence[tuple[str, str]], title: str, ylabel: str) -> Callable[[RunData, Path], bool]:
+    """A chart of one panel with a line for each of ``lines`` ((metric, label)) present."""
 
     def chart(data: RunData, path: Path) -> bool:
-        present = [(key, label) for key, label in keys if data.train.get(key)]
+        present = [(key, label) for key, label in lines if data.train.get(key)]
         if not present:
             return False
         fig, [ax] = _figure()
@@ -250,7 +210,7 @@ def _chart_lines(keys: Sequence[tuple[str, str]], title: str, ylabel: str) -> Ca
 
 
 def _chart_throughput(data: RunData, path: Path) -> bool:
-    present = [(k, label) for k, label in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
+    present = [(k, label) for k, label in ((keys.SAMPLES_PER_S, "samples/s"), (keys.TOKENS_PER_S, "tokens/s"))
                if data.train.get(k)]
     if not present:
         return False
@@ -261,12 +221,8 @@ def _chart_throughput(data: RunData, path: Path) -> bool:
     return True
 
 
-TIME_PARTS = (("time/generate", "generate"), ("time/score", "score"), ("time/experience", "experience"),
-              ("time/learn", "learn"), ("time/sync", "sync"))
-
-
 def _chart_time(data: RunData, path: Path) -> bool:
-    present = [(k, label) for k, label in TIME_PARTS if data.train.get(k)]
+    present = [(keys.time_key(p), p) for p in keys.TIME_PHASES if data.train.get(keys.time_key(p))]
     if not present:
         return False
     steps = sorted({s for k, _ in present for s in data.train[k]})
@@ -276,19 +232,19 @@ def _chart_time(data: RunData, path: Path) -> bool:
         heights = [data.train[key].get(s, 0.0) for s in steps]
         ax.bar(steps, heights, bottom=bottom, label=label, width=0.8)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    if data.train.get("time/step"):
-        _line(ax, data.train["time/step"], "whole step", color="black", linewidth=1.0)
+    if data.train.get(keys.TIME_STEP):
+        _line(ax, data.train[keys.TIME_STEP], "whole step", color="black", linewidth=1.0)
     _finish(fig, [ax], path, "Time per step", ["seconds"])
     return True
 
 
 CHARTS: tuple[tuple[str, str, Callable[[RunData, Path], bool]], ...] = (
     ("reward.png", "Reward", _chart_reward),
-    ("grad_norm.png", "Gradient norm", _chart_lines([("grad_norm", "grad norm")], "Gradient norm", "norm")),
-    ("kl.png", "KL", _chart_lines([("kl", "kl"), ("approx_kl", "approx kl")], "KL divergence", "kl")),
-    ("entropy.png", "Entropy", _chart_lines([("entropy", "entropy")], "Entropy", "nats per token")),
+    ("grad_norm.png", "Gradient norm", _chart_lines([(keys.GRAD_NORM, "grad norm")], "Gradient norm", "norm")),
+    ("kl.png", "KL", _chart_lines([(keys.KL, "kl"), (keys.APPROX_KL, "approx kl")], "KL divergence", "kl")),
+    ("entropy.png", "Entropy", _chart_lines([(keys.ENTROPY, "entropy")], "Entropy", "nats per token")),
     ("length.png", "Response length",
-     _chart_lines([("length/mean", "mean"), ("length/max", "max")], "Response length", "tokens")),
+     _chart_lines([(keys.LENGTH_MEAN, "mean"), (keys.LENGTH_MAX, "max")], "Response length", "tokens")),
     ("throughput.png", "Throughput", _chart_throughput),
     ("time.png", "Time split", _chart_time),
 )
@@ -323,19 +279,19 @@ def fmt(value: float) -> str:
 
 
 KEY_METRICS: tuple[tuple[str, str | None], ...] = (
-    ("reward/mean", "max"),
-    ("reward/std", None),
-    ("loss", None),
-    ("kl", None),
-    ("approx_kl", None),
-    ("entropy", None),
-    ("grad_norm", None),
-    ("clip_frac", None),
-    ("length/mean", None),
-    ("length/clipped_frac", None),
-    ("samples_per_s", "max"),
-    ("tokens_per_s", "max"),
-    ("time/step", "min"),
+    (keys.REWARD_MEAN, "max"),
+    (keys.REWARD_STD, None),
+    (keys.LOSS, None),
+    (keys.KL, None),
+    (keys.APPROX_KL, None),
+    (keys.ENTROPY, None),
+    (keys.GRAD_NORM, None),
+    (keys.CLIP_FRAC, None),
+    (keys.LENGTH_MEAN, None),
+    (keys.LENGTH_CLIPPED_FRAC, None),
+    (keys.SAMPLES_PER_S, "max"),
+    (keys.TOKENS_PER_S, "max"),
+    (keys.TIME_STEP, "min"),
 )
 """The summary table's metrics (those logged) and which direction is best, if any. The
 reward functions (``reward/<fn>``) and the accuracies (``accuracy``, ``accuracy/<fn>``),
@@ -343,11 +299,11 @@ best: max, follow ``reward/mean``."""
 
 
 def _summary_rows(data: RunData) -> list[tuple[str, Series, str | None]]:
-    keys: list[tuple[str, str | None]] = list(KEY_METRICS[:1])
-    keys += [(f"reward/{name}", "max") for name in reward_functions(data)]
-    keys += [(key, "max") for key in sorted(data.train) if key == "accuracy" or key.startswith("accuracy/")]
-    keys += list(KEY_METRICS[1:])
-    return [(key, data.train[key], best) for key, best in keys if data.train.get(key)]
+    rows: list[tuple[str, str | None]] = list(KEY_METRICS[:1])
+    rows += [(keys.reward_key(name), "max") for name in keys.reward_names(data.train)]
+    rows += [(key, "max") for key in sorted(data.train) if keys.is_accuracy_key(key)]
+    rows += list(KEY_METRICS[1:])
+    return [(key, data.train[key], best) for key, best in rows if data.train.get(key)]
 
 
 def _best(series: Series, direction: str | None) -> str:

@@ -1,7 +1,7 @@
 """Runs on disk as the dashboard sees them: :class:`RunIndex` finds run directories
 under the paths the dashboard was given and looks again on every listing, so a run
 started after the dashboard shows up; each :class:`Run` reads its files incrementally
-(:mod:`rltune.metrics.dashboard.jsonl`)."""
+(:mod:`rltune.metrics.jsonl`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rltune.metrics.dashboard.errors import DashboardError
-from rltune.metrics.dashboard.jsonl import JsonlLog, JsonlTail, last_step
+from rltune.metrics.jsonl import JsonlLog, JsonlTail, last_step
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"

@@ -68,7 +68,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from rltune.metrics.dashboard.errors import DashboardError
-from rltune.metrics.dashboard.jsonl import CursorError, JsonlLog, JsonlTail
+from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail
 from rltune.metrics.dashboard.runs import CONFIG_FILE, Run, RunIndex
 
 STATIC_DIR = Path(__file__).parent / "static"

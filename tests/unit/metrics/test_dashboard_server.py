@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from rltune.metrics.dashboard import DashboardError, DashboardServer, make_server, serve
-from rltune.metrics.dashboard.jsonl import Chunk, JsonlLog, JsonlTail, last_step
+from rltune.metrics.jsonl import Chunk, JsonlLog, JsonlTail, last_step
 from rltune.metrics.dashboard.server import STATIC_DIR
 
 TOKEN = "s3cret-token-0123456789"

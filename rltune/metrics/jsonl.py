@@ -1,6 +1,10 @@
-"""JSON-lines files that a training run appends to, read incrementally by byte offset.
+"""JSON-lines files that a training run appends to (``metrics.jsonl``, ``samples.jsonl``):
+the one place they are read, by the dashboard, the report and the CLI.
 
-Two readers, both answering ``read(cursor, limit) -> Chunk``:
+Every reader turns a line into a row the same way (:func:`parse_line`): a JSON object,
+``NaN``/``Infinity`` as ``null``, blank lines skipped. :class:`JsonlReader` reads a whole
+file once, in order, with line numbers (the report, the CLI). Two readers, both answering
+``read(cursor, limit) -> Chunk``, serve the dashboard:
 
 * :class:`JsonlLog` keeps no rows: a cursor is a byte offset, and each read parses the
   lines after it straight from the file. Memory does not grow with the file
@@ -9,7 +13,7 @@ Two readers, both answering ``read(cursor, limit) -> Chunk``:
   once; a file it first opens is read from its ``max_rows``-th last line, found by
   reading the file backwards (``samples.jsonl``: only the newest rows are wanted).
 
-Both return a line only once its newline is written (the line a run is writing is left
+Both (the dashboard's) return a line only once its newline is written (the line a run is writing is left
 for later), skip lines that are not JSON objects, turn ``NaN``/``Infinity`` into ``null``,
 and notice a file that was rewritten under them: replaced (a resumed run truncates its
 files to the checkpoint's step through a new file), shorter than before, or different in
@@ -233,15 +237,71 @@ _BLANK: dict[str, Any] = {}
 """What :func:`_parse` returns for an empty line (skipped, not counted as bad)."""
 
 
-def _parse(line: bytes) -> dict[str, Any] | None:
-    """The JSON object on one line; ``_BLANK`` for a blank line, None for anything else."""
+class JsonlError(ValueError):
+    """A line of a JSON-lines file is not a JSON object; the message names file and line."""
+
+
+class _BadLine(ValueError):
+    """Why one line is not a row; ``complete``: it is whole JSON (just not an object)."""
+
+    def __init__(self, reason: str, *, complete: bool) -> None:
+        super().__init__(reason)
+        self.complete = complete
+
+
+def parse_line(line: bytes) -> dict[str, Any]:
+    """The JSON object on one line, ``NaN`` and ``Infinity`` read as None; ``_BLANK`` for a
+    blank line. Anything else raises :class:`_BadLine` saying why."""
     if not line.strip():
         return _BLANK
     try:
         row = json.loads(line.decode("utf-8"), parse_constant=lambda _name: None)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _BadLine(f"not a JSON line ({exc})", complete=False) from exc
+    if not isinstance(row, dict):
+        raise _BadLine(f"expected a JSON object, got {type(row).__name__}", complete=True)
+    return row
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """:func:`parse_line`, with None for a line that is not a row (the dashboard skips it)."""
+    try:
+        return parse_line(line)
+    except _BadLine:
         return None
-    return row if isinstance(row, dict) else None
+
+
+class JsonlReader:
+    """The rows of a JSON-lines file, read once in order, line by line (a samples file can
+    be large).
+
+    Iterating yields ``(line number, row)`` (numbers 1-based; rows as :func:`parse_line`
+    reads them); blank lines are skipped. A last line that is not complete JSON (or not
+    complete UTF-8), as a run still writing leaves it, is left out and ``cut_short`` is
+    set; any other line that is not a JSON object is a :class:`JsonlError` naming the file
+    and line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.cut_short = False
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        failed: tuple[int, _BadLine] | None = None
+        with self.path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                if failed is not None:  # the bad line was not the last one
+                    raise JsonlError(f"{self.path}:{failed[0]}: {failed[1]}") from failed[1]
+                try:
+                    row = parse_line(raw)
+                except _BadLine as exc:
+                    if exc.complete:
+                        raise JsonlError(f"{self.path}:{number}: {exc}") from exc
+                    failed = (number, exc)
+                    continue
+                yield number, row
+        self.cut_short = failed is not None
 
 
 def _check_limit(limit: int) -> None:
