@@ -205,7 +205,7 @@ def for_dashboard() -> Mapping[str, object]:
         "reward_stats": sorted(REWARD_STATS),
         "reward_mean": REWARD_MEAN,
         "eval_reward_mean": EVAL_REWARD_MEAN,
-        "time_phases": [time_key(p) for p in TIME_PHASES],
+        "time_phases": [[time_key(p), p] for p in TIME_PHASES],
         "kl": KL,
         "approx_kl": APPROX_KL,
         "grad_norm": GRAD_NORM,

@@ -36,6 +36,9 @@ any method but GET and HEAD is answered 405 with ``Allow: GET, HEAD``, on any pa
         than those continues from the oldest row kept.
     ``GET /api/config?run=ID``
         ``{"run", "path", "text": YAML|null}``: the run's ``config.yaml`` as written.
+    ``GET /api/keys``
+        The metric names the page charts (:func:`rltune.metrics.keys.for_dashboard`), so
+        that the page holds no second list of them.
 
 Files are read by byte offset, so a poll reads only what was appended since the last one.
 
@@ -67,9 +70,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+from rltune.metrics import keys
 from rltune.metrics.dashboard.errors import DashboardError
-from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail
 from rltune.metrics.dashboard.runs import CONFIG_FILE, Run, RunIndex
+from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail
 
 STATIC_DIR = Path(__file__).parent / "static"
 CONTENT_TYPES = {
@@ -329,6 +333,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._static(unquote(path[len("/static/"):]))
         elif path == "/api/runs":
             self._json(self.server.index.summaries())
+        elif path == "/api/keys":
+            self._json(keys.for_dashboard())
         elif path == "/api/metrics":
             run = self._run(params)
             self._json(self._rows(run.id, run.metrics, params, METRICS_ROWS_PER_ANSWER))
@@ -344,7 +350,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json({"run": run.id, "path": str(run.path / CONFIG_FILE), "text": text})
         elif path.startswith("/api/"):
             raise _BadRequest(HTTPStatus.NOT_FOUND,
-                              f"no API {path}; there are /api/runs, /api/metrics, /api/samples, /api/config")
+                              f"no API {path}; there are /api/runs, /api/metrics, /api/samples, /api/config, /api/keys")
         else:
             self._text(HTTPStatus.NOT_FOUND, "not found\n")
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
+from rltune.metrics import keys
 from rltune.metrics.dashboard import DashboardError, DashboardServer, make_server, serve
-from rltune.metrics.jsonl import Chunk, JsonlLog, JsonlTail, last_step
 from rltune.metrics.dashboard.server import STATIC_DIR
+from rltune.metrics.jsonl import Chunk, JsonlLog, JsonlTail, last_step
 
 TOKEN = "s3cret-token-0123456789"
 CONFIG = "name: a\nalgo:\n  name: grpo\n"
@@ -301,6 +302,22 @@ def test_config_is_the_files_text_and_null_before_it_exists(tmp_path: Path, star
     assert fetch(server.port, "/api/config?run=a").json() == {
         "run": "a", "path": str(with_config / "config.yaml"), "text": CONFIG}
     assert fetch(server.port, "/api/config?run=b").json()["text"] is None
+
+
+def test_the_page_gets_its_metric_names_from_the_server(tmp_path: Path, start) -> None:
+    server = start([write_run(tmp_path / "a", [ROW1])])
+    answer = fetch(server.port, "/api/keys").json()
+    assert answer == json.loads(json.dumps(keys.for_dashboard()))
+    assert answer["reward_mean"] == "reward/mean" and answer["eval_reward_mean"] == "eval/reward/mean"
+    assert [key for key, _ in answer["time_phases"]] == [
+        "time/generate", "time/score", "time/experience", "time/learn", "time/sync"]
+    # the page names no metric key itself: every series key comes from the answer above
+    script = (STATIC_DIR / "app.js").read_text()
+    names = {v for v in answer.values() if isinstance(v, str) and v != answer["sep"]}
+    nested = {n for n in names if "/" in n} | {key for key, _ in answer["time_phases"]}
+    nested.add(answer["reward"] + answer["sep"])
+    assert not [n for n in nested if re.search(rf"[\"'`]{re.escape(n)}", script)]
+    assert not [n for n in names if re.search(rf"key: [\"'`]{re.escape(n)}[\"'`]", script)]
 
 
 def test_bad_requests_name_what_is_wrong(tmp_path: Path, start) -> None:

@@ -9,56 +9,67 @@
   const PALETTE = ["#2563eb", "#e4572e", "#0f9f6e", "#9b51e0", "#d4a017", "#0891b2",
     "#db2777", "#65a30d", "#475569", "#b45309"];
   const DASHES = [[], [6, 4], [2, 3], [10, 3, 2, 3], [1, 2]];
-  const REWARD_AGGREGATES = new Set(["mean", "std", "errors", "timeouts", "dropped"]);
-  const TIME_PHASES = ["generate", "score", "experience", "learn", "sync"];
 
-  /** A reward function's own mean: `reward/NAME`, not an aggregate, not under errors/. */
-  const isRewardFnKey = (key) => key.startsWith("reward/") && !key.slice(7).includes("/") &&
-    !REWARD_AGGREGATES.has(key.slice(7));
+  /** Metric names, as the server's /api/keys gives them (rltune/metrics/keys.py): the
+      page holds no list of names of its own. Set by defineCharts before the first chart. */
+  let K = null;
+  let CHARTS = [];
+  let chartKeys = new Set();
 
-  const CHARTS = [
-    {
-      id: "reward", title: "Reward", note: "mean · per function · eval",
-      series: (run) => [
-        { key: "reward/mean", label: "mean", width: 2.25 },
-        ...run.rewardFns().map((key, i) => ({
-          key, label: key.slice(7), width: 1.25, dash: DASHES[1 + (i % (DASHES.length - 1))], fade: 0.35,
-        })),
-        { key: "eval/reward/mean", label: "eval", width: 2, dash: [2, 3], points: true },
-      ],
-    },
-    { id: "grad_norm", title: "Gradient norm", series: () => [{ key: "grad_norm", label: "grad norm" }] },
-    {
-      id: "kl", title: "KL divergence", note: "kl · approx_kl",
-      series: () => [{ key: "kl", label: "kl" }, { key: "approx_kl", label: "approx kl", dash: [6, 4], fade: 0.3 }],
-    },
-    { id: "entropy", title: "Entropy", series: () => [{ key: "entropy", label: "entropy" }] },
-    {
-      id: "length", title: "Response length", note: "tokens · mean and max",
-      series: () => [{ key: "length/mean", label: "mean" }, { key: "length/max", label: "max", dash: [6, 4], fade: 0.3 }],
-    },
-    {
-      id: "throughput", title: "Throughput", note: "samples/s (left) · tokens/s (right)",
-      rightAxis: "tokens",
-      series: () => [
-        { key: "samples_per_s", label: "samples/s" },
-        { key: "tokens_per_s", label: "tokens/s", dash: [6, 4], fade: 0.3, scale: "tokens" },
-      ],
-    },
-    {
-      id: "time", title: "Time per step", note: "seconds by phase",
-      series: () => TIME_PHASES.map((phase, i) => ({
-        key: `time/${phase}`, label: phase, dash: DASHES[i % DASHES.length], fade: Math.min(0.6, i * 0.14),
-      })),
-    },
-    { id: "loss", title: "Loss", series: () => [{ key: "loss", label: "loss" }] },
-  ];
-  const STATIC_KEYS = new Set(["eval/reward/mean"]);
-  for (const chart of CHARTS) {
-    if (chart.id !== "reward") chart.series(null).forEach((s) => STATIC_KEYS.add(s.key));
+  /** The reward function a key is the mean of (reward/NAME), or null for a statistic of the total or a nested key. */
+  function rewardFnName(key) {
+    const prefix = K.reward + K.sep;
+    if (!key.startsWith(prefix)) return null;
+    const name = key.slice(prefix.length);
+    return name.includes(K.sep) || K.reward_stats.includes(name) ? null : name;
   }
-  STATIC_KEYS.add("reward/mean");
-  const isChartKey = (key) => STATIC_KEYS.has(key) || isRewardFnKey(key);
+  const isRewardFnKey = (key) => rewardFnName(key) !== null;
+
+  function defineCharts(keys) {
+    K = keys;
+    CHARTS = [
+      {
+        id: "reward", title: "Reward", note: "mean · per function · eval",
+        series: (run) => [
+          { key: K.reward_mean, label: "mean", width: 2.25 },
+          ...run.rewardFns().map((key, i) => ({
+            key, label: rewardFnName(key), width: 1.25, dash: DASHES[1 + (i % (DASHES.length - 1))], fade: 0.35,
+          })),
+          { key: K.eval_reward_mean, label: "eval", width: 2, dash: [2, 3], points: true },
+        ],
+      },
+      { id: "grad_norm", title: "Gradient norm", series: () => [{ key: K.grad_norm, label: "grad norm" }] },
+      {
+        id: "kl", title: "KL divergence", note: `${K.kl} · ${K.approx_kl}`,
+        series: () => [{ key: K.kl, label: "kl" }, { key: K.approx_kl, label: "approx kl", dash: [6, 4], fade: 0.3 }],
+      },
+      { id: "entropy", title: "Entropy", series: () => [{ key: K.entropy, label: "entropy" }] },
+      {
+        id: "length", title: "Response length", note: "tokens · mean and max",
+        series: () => [{ key: K.length_mean, label: "mean" }, { key: K.length_max, label: "max", dash: [6, 4], fade: 0.3 }],
+      },
+      {
+        id: "throughput", title: "Throughput", note: "samples/s (left) · tokens/s (right)",
+        rightAxis: "tokens",
+        series: () => [
+          { key: K.samples_per_s, label: "samples/s" },
+          { key: K.tokens_per_s, label: "tokens/s", dash: [6, 4], fade: 0.3, scale: "tokens" },
+        ],
+      },
+      {
+        id: "time", title: "Time per step", note: "seconds by phase",
+        series: () => K.time_phases.map(([key, phase], i) => ({
+          key, label: phase, dash: DASHES[i % DASHES.length], fade: Math.min(0.6, i * 0.14),
+        })),
+      },
+      { id: "loss", title: "Loss", series: () => [{ key: K.loss, label: "loss" }] },
+    ];
+    chartKeys = new Set([K.eval_reward_mean, K.reward_mean]);
+    for (const chart of CHARTS) {
+      if (chart.id !== "reward") chart.series(null).forEach((s) => chartKeys.add(s.key));
+    }
+  }
+  const isChartKey = (key) => chartKeys.has(key) || isRewardFnKey(key);
 
   // ---------------------------------------------------------------- state
 
@@ -748,6 +759,10 @@
   }
 
   async function tick() {
+    if (K === null) {
+      defineCharts(await getJSON("/api/keys"));
+      buildChartCards();
+    }
     await refreshRuns();
     for (const id of state.selected) {
       const run = state.runs.get(id);
@@ -786,9 +801,7 @@
   };
 
   function start() {
-    buildChartCards();
     bindSampleControls();
-    renderCharts();
     renderSamples();
     poll.now();
   }
