@@ -100,27 +100,21 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 def _print_eval_summary(run, console: Console) -> None:
     """Held-out scores at the first and last evaluation of this run's metrics file."""
-    import json
+    from rltune.metrics import keys
+    from rltune.metrics.jsonl import JsonlReader
 
-    evals = [
-        rec for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()
-        if (rec := json.loads(line)) and any(k.startswith(_HELD_OUT) for k in rec)
-    ]
+    evals = [row for _, row in JsonlReader(run.run_dir / "metrics.jsonl") if keys.held_out_scores(row)]
     if len(evals) < 1:
         return
     first, last = evals[0], evals[-1]
-    for key in sorted(k for k in last if k.startswith(_HELD_OUT) and k not in _NOT_PER_FN):
+    for key in sorted(keys.held_out_scores(last, with_mean=False)):
         before, after = first.get(key), last.get(key)
         if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
             continue
         console.print(
-            f"held-out {key[len('eval/'):].removeprefix('reward/')}: step {first['step']} {before:.3f} -> "
+            f"held-out {keys.held_out_label(key)}: step {first['step']} {before:.3f} -> "
             f"step {last['step']} {after:.3f} ({after - before:+.3f})"
         )
-
-
-_HELD_OUT = ("eval/reward/", "eval/pref/")
-_NOT_PER_FN = {"eval/reward/mean", "eval/reward/std", "eval/reward/errors"}
 
 
 def _quiet_transformers() -> None:
