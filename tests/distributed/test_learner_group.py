@@ -7,21 +7,29 @@ process's, taken in another order (each rank accumulates its own micro-batches, 
 two ranks' sums are added), so gradient components differ by fp32 rounding, ~1e-7
 relative. Adam divides by ``sqrt(v) + eps``; with the default eps=1e-8 its slope near a
 zero gradient is lr/eps = 1e5 and would turn that rounding into ~1e-5 parameter
-differences (see tests/unit/learner/test_learner_step.py). Every learner here uses
+differences (see tests/unit/learner/test_learner_step.py). The two-step comparisons use
 eps=1e-3 (slope <= lr/eps = 1), so parameters agree within PARAM_ATOL = 1e-6 after each
 step (measured: below 1e-7), while a step moves them by ~1e-3 and the control below
 (local denominators) differs by ~1e-4. Metrics are means and sums of the same fp32
 numbers in another order: rel 1e-5.
+
+The default eps=1e-8 is compared on the first step, entry by entry, against the bound
+that tests/unit/learner/fp32_bounds.py derives: gradients of two fp32 computations within
+``4 N u A``, and the first Adam step's slope where the gradient is
+(``small_eps_update_tolerance``); the same bound refuses the control.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from learner_group_workers import (
     BUDGET,
+    DEFAULT_EPS,
     GRAD_CLIP,
     LR,
     fail_on_rank_one,
@@ -32,16 +40,16 @@ from learner_group_workers import (
 )
 
 from rltune.data.records import TrainBatch
-from rltune.learner.distributed import (
-    DistributedLearner,
-    init_group,
-    shard_batch,
-    shard_bounds,
-    spawn_learner_group,
-)
-from rltune.learner.learner import LocalLearner
+from rltune.data.shards import shard_bounds
+from rltune.learner.distributed import init_group, shard_batch
+from rltune.learner.launch import spawn_learner_group
 from rltune.learner.microbatch import split_by_tokens
+from rltune.learner.parallel import make_parallelism
 from rltune.models.load import load_model, resolve_model
+
+# the fp32 bounds of the learner's unit tests (this directory is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "learner"))
+import fp32_bounds as fp32  # noqa: E402
 
 PARAM_ATOL = 1e-6
 STRATEGIES = ("ddp", "fsdp2")
@@ -69,9 +77,24 @@ def single(initial: torch.nn.Module, batch: TrainBatch) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train_two_steps(make_learner(LocalLearner, copy.deepcopy(initial)), batch)
+        return train_two_steps(make_learner(copy.deepcopy(initial)), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def default_eps_bound(initial: torch.nn.Module, batch: TrainBatch) -> dict:
+    """One LocalLearner's first step on the whole batch at Adam's default eps, and how far
+    another fp32 computation of that step may move each parameter from it
+    (fp32.small_eps_update_tolerance, from the gradient's scales ``A`` and its value)."""
+    learner = make_learner(copy.deepcopy(initial), eps=DEFAULT_EPS)
+    before = {k: v.clone() for k, v in fp32.params(learner.model).items()}
+    scales = fp32.gradient_scales(copy.deepcopy(initial), learner.objective, batch)
+    grads = fp32.capture_grads(learner.model)
+    learner.step(batch)
+    tol = fp32.small_eps_update_tolerance(before, grads, fp32.gradient_tolerance(scales, batch),
+                                          lr=LR, eps=DEFAULT_EPS, clip=GRAD_CLIP)
+    return {"weights": {k: v.clone() for k, v in fp32.params(learner.model).items()}, "tol": tol}
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +150,12 @@ def test_init_group_names_the_missing_variables(monkeypatch: pytest.MonkeyPatch)
         init_group("gloo")
 
 
-def test_learner_needs_a_group_and_a_known_strategy(initial: torch.nn.Module) -> None:
-    with pytest.raises(RuntimeError, match=r"call init_group\(\) in every process"):
-        make_learner(DistributedLearner, initial, strategy="ddp")
-    with pytest.raises(ValueError, match=r"strategy='zero3'; expected one of \['ddp', 'fsdp2'\]"):
-        make_learner(DistributedLearner, initial, strategy="zero3")
+def test_parallelism_needs_a_group_and_a_known_strategy() -> None:
+    for strategy in ("ddp", "fsdp2"):
+        with pytest.raises(RuntimeError, match=rf"parallelism '{strategy}' needs a process group: call init_group"):
+            make_parallelism(strategy)
+    with pytest.raises(ValueError, match=r"strategy='zero3'; expected one of \['none', 'ddp', 'fsdp2'\]"):
+        make_parallelism("zero3")
 
 
 # ---------------------------------------------------------------- the group
@@ -193,6 +217,22 @@ def test_local_denominator_control_fails(initial: torch.nn.Module, single: dict,
     control = group[0]["local_denominator"]
     assert max_abs_diff(control["weights"], single["weights"][0]) > 50 * PARAM_ATOL
     assert control["metrics"]["grad_norm"] != pytest.approx(single["metrics"][0]["grad_norm"], rel=1e-2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_group_first_step_at_default_eps_within_the_derived_bound(
+    strategy: str, default_eps_bound: dict, group: list[dict]
+) -> None:
+    """Adam's default eps=1e-8: every parameter after the group's first step is within
+    the derived per-entry bound of one process's, on every rank, and the bound is tight
+    enough that the control (per-shard denominators) breaks it."""
+    for rank in group:
+        weights = {k: rank[f"{strategy}_default_eps"]["weights"][k] for k in default_eps_bound["weights"]}
+        fp32.assert_within(weights, default_eps_bound["weights"], default_eps_bound["tol"],
+                           f"{strategy} parameters at eps={DEFAULT_EPS}")
+    control = {k: group[0]["local_denominator_default_eps"]["weights"][k] for k in default_eps_bound["weights"]}
+    worst, _ = fp32.worst_excess(control, default_eps_bound["weights"], default_eps_bound["tol"])
+    assert worst > 10.0, worst
 
 
 def test_a_failing_rank_fails_the_group_with_its_error() -> None:

@@ -16,7 +16,6 @@ Each replacement is recorded in ``RUN/faults.jsonl`` and counted in the step's
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ import torch
 
 from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.data.shards import shard_bounds
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.ray.cluster import (
     Placement,
@@ -155,16 +155,10 @@ class ScorerWorker:
 # ------------------------------------------------------------------------------ the pools
 
 
-def shard_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ``[start, end)`` ranges covering ``range(n)``, sizes differing by
-    at most one, the larger first (empty ranges when ``n < parts``)."""
-    base, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+def _shards(n: int, parts: int) -> list[tuple[int, int]]:
+    """Every actor's contiguous range of ``n`` items (:func:`shard_bounds`; empty ones
+    when ``n < parts``)."""
+    return [shard_bounds(n, i, parts, allow_empty=True) for i in range(parts)]
 
 
 class ActorPool:
@@ -302,7 +296,7 @@ class RayGenerator:
         )
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, *, group_offset: int = 0) -> list[Rollout]:
-        bounds = shard_bounds(len(prompts), self.pool.size)
+        bounds = _shards(len(prompts), self.pool.size)
         jobs = {
             i: ("generate", (prompts[a:b], params, group_offset + a))
             for i, (a, b) in enumerate(bounds) if b > a
@@ -405,7 +399,8 @@ class RayGenerator:
 class RayScorer:
     """The Scorer protocol over a pool of :class:`ScorerWorker` actors: each scores a
     contiguous share of the rollouts (whole groups when the share allows), the rewards are
-    written into the driver's rollouts and the statistics summed."""
+    written into the driver's rollouts and the statistics combined
+    (:meth:`ScoreStats.combine`)."""
 
     def __init__(self, cfg: Config, config_dir: str | None, placement: Placement, faults_file: Path | None) -> None:
         threads = placement.threads("scorer")
@@ -417,7 +412,7 @@ class RayScorer:
         self.names = [rf.name for rf in cfg.reward]
 
     def score(self, prompts: dict[str, Prompt], rollouts: list[Rollout]) -> ScoreStats:
-        bounds = [(a, b) for a, b in shard_bounds(len(rollouts), self.pool.size) if b > a]
+        bounds = [(a, b) for a, b in _shards(len(rollouts), self.pool.size) if b > a]
         jobs = {}
         for i, (a, b) in enumerate(bounds):
             part = rollouts[a:b]
@@ -430,7 +425,7 @@ class RayScorer:
             for rollout, (reward, rewards, error, dropped) in zip(rollouts[a:b], fields):
                 rollout.reward, rollout.rewards, rollout.reward_error, rollout.dropped = reward, rewards, error, dropped
             parts.append(stats)
-        return merge_stats(parts, rollouts)
+        return ScoreStats.combine(parts)
 
     def step_metrics(self) -> dict[str, Any]:
         from rltune.metrics.types import Sum
@@ -444,27 +439,3 @@ class RayScorer:
             pass
         self.pool.close()
 
-
-def merge_stats(parts: Sequence[ScoreStats], rollouts: Sequence[Rollout]) -> ScoreStats:
-    """One :class:`ScoreStats` for the shards' together: counts and seconds summed, each
-    function's mean over every value it gave (from the filled-in rollouts)."""
-    names = list(parts[0].per_fn_mean) if parts else []
-    per_fn_mean = {}
-    for name in names:
-        values = [r.rewards.get(name) for r in rollouts]
-        values = [v for v in values if v is not None]
-        per_fn_mean[name] = sum(values) / len(values) if values else math.nan
-
-    def total(attr: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for p in parts:
-            for k, v in getattr(p, attr).items():
-                out[k] = out.get(k, 0) + v
-        return out
-
-    return ScoreStats(
-        errors=sum(p.errors for p in parts), per_fn_mean=per_fn_mean,
-        per_fn_errors=total("per_fn_errors"), seconds=total("seconds"), calls=total("calls"),
-        dropped=sum(p.dropped for p in parts), cache_hits=sum(p.cache_hits for p in parts),
-        timeouts=sum(p.timeouts for p in parts),
-    )
