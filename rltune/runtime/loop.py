@@ -278,7 +278,7 @@ def _generate_and_score(
     clock.mark("generate")
     stats = run.scorer.score({p.id: p for p in prompts}, rollouts)
     # counts and seconds, summed over refill rounds
-    metrics.add({key: Sum(value) for key, value in stats.metrics().items()})
+    metrics.add(stats.metrics())
     if run.cfg.algo.overlong_buffer:
         _apply_overlong_penalty(run, rollouts)
     clock.mark("score")

@@ -18,6 +18,11 @@ from rltune.rewards.loading import RewardLoadError
 from rltune.rewards.scorer import LocalScorer, RewardFn, ScoreStats, build_reward_fns
 
 
+def by_fn(stats: ScoreStats, field: str) -> dict[str, float]:
+    """One statistic of each reward function, as plain numbers."""
+    return {name: getattr(fn, field).value for name, fn in stats.per_fn.items()}
+
+
 def _rollout(prompt_id: str, text: str, group: int = 0) -> Rollout:
     return Rollout(
         prompt_id=prompt_id,
@@ -60,11 +65,11 @@ def test_weighted_sum_by_hand() -> None:
         {"correct": 0.0, "format": 0.0},
     ]
     assert all(r.reward_error is None for r in rollouts)
-    assert stats.errors == 0
-    assert stats.per_fn_mean == {"correct": 0.5, "format": 0.5}
-    assert stats.per_fn_errors == {"correct": 0, "format": 0}
-    assert set(stats.seconds) == {"correct", "format"}
-    assert all(s >= 0.0 for s in stats.seconds.values())
+    assert stats.errors.value == 0
+    assert by_fn(stats, "mean") == {"correct": 0.5, "format": 0.5}
+    assert by_fn(stats, "errors") == {"correct": 0, "format": 0}
+    assert set(by_fn(stats, "seconds")) == {"correct", "format"}
+    assert all(s >= 0.0 for s in by_fn(stats, "seconds").values())
 
 
 def test_meta_is_prompt_meta_merged_with_kwargs_and_kwargs_win() -> None:
@@ -109,10 +114,39 @@ def test_raising_and_none_samples_are_masked_and_counted() -> None:
     ]
     # The functions that did score a failed sample still report their value.
     assert rollouts[1].rewards == {"len": None, "correct": 0.0}
-    assert stats.errors == 3
-    assert stats.per_fn_errors == {"len": 3, "correct": 0}
-    assert stats.per_fn_mean["len"] == pytest.approx((1.0 + 3.0) / 2, abs=1e-12)
-    assert stats.per_fn_mean["correct"] == pytest.approx(2 / 5, abs=1e-12)
+    assert stats.errors.value == 3
+    assert by_fn(stats, "errors") == {"len": 3, "correct": 0}
+    assert by_fn(stats, "mean")["len"] == pytest.approx((1.0 + 3.0) / 2, abs=1e-12)
+    assert by_fn(stats, "mean")["correct"] == pytest.approx(2 / 5, abs=1e-12)
+
+
+def test_shards_scored_apart_combine_to_the_stats_of_one_call() -> None:
+    # Two scorers each take a share, as the Ray scorer actors do. "len"'s values are
+    # 1, 3 in the first share and 6 in the second: the combined mean is 10 / 3, each
+    # value counted once (the mean of the shares' means would be 4).
+    fns = [RewardFn("len", _flaky), RewardFn("correct", exact_numeric)]
+    texts = ["4", "boom", "9 9", "skip", "666666", "boom"]
+    whole = [_rollout("ab"[i % 2], t) for i, t in enumerate(texts)]
+    parts = [whole[:3], whole[3:]]
+    stats = [LocalScorer(fns).score(PROMPTS, part) for part in parts]
+    combined = ScoreStats.combine(stats)
+    one = LocalScorer(fns).score(PROMPTS, [_rollout("ab"[i % 2], t) for i, t in enumerate(texts)])
+    assert by_fn(combined, "mean")["len"] == pytest.approx(10 / 3, abs=1e-12)
+    assert by_fn(combined, "mean")["correct"] == pytest.approx(by_fn(one, "mean")["correct"], abs=1e-12)
+    assert by_fn(combined, "errors") == by_fn(one, "errors") == {"len": 3, "correct": 0}
+    # the two "boom"s of prompt b are one call in one round, one call per share apart
+    assert by_fn(one, "calls") == {"len": 5, "correct": 5}
+    assert by_fn(combined, "calls") == {"len": 6, "correct": 6}
+    assert combined.errors.value == one.errors.value == 3
+    assert list(combined.metrics()) == list(one.metrics())
+    # a share where a function gave no value: its mean is of nothing, and adds nothing
+    nothing = LocalScorer(fns).score(PROMPTS, [_rollout("a", "boom")])
+    assert math.isnan(by_fn(nothing, "mean")["len"])
+    again = ScoreStats.combine([nothing, ScoreStats.combine(stats), nothing])
+    assert by_fn(again, "mean")["len"] == pytest.approx(10 / 3, abs=1e-12)
+    assert math.isnan(by_fn(ScoreStats.combine([nothing, nothing]), "mean")["len"])
+    empty = ScoreStats.combine([])
+    assert empty.per_fn == {} and empty.errors.value == 0
 
 
 def test_first_failure_in_config_order_is_reported() -> None:
@@ -126,9 +160,9 @@ def test_first_failure_in_config_order_is_reported() -> None:
     stats = LocalScorer([RewardFn("b", bad_b), RewardFn("a", bad_a)]).score(PROMPTS, [rollout])
     assert rollout.reward is None
     assert rollout.reward_error == "b: returned None"
-    assert stats.per_fn_errors == {"b": 1, "a": 1}
-    assert stats.errors == 1
-    assert math.isnan(stats.per_fn_mean["a"]) and math.isnan(stats.per_fn_mean["b"])
+    assert by_fn(stats, "errors") == {"b": 1, "a": 1}
+    assert stats.errors.value == 1
+    assert math.isnan(by_fn(stats, "mean")["a"]) and math.isnan(by_fn(stats, "mean")["b"])
 
 
 def test_data_error_from_builtin_is_reported_not_scored_zero() -> None:
@@ -138,7 +172,7 @@ def test_data_error_from_builtin_is_reported_not_scored_zero() -> None:
     assert rollout.reward is None
     assert rollout.reward_error is not None
     assert rollout.reward_error.startswith("correct: ValueError: prompt 'c': exact_numeric needs")
-    assert stats.errors == 1
+    assert stats.errors.value == 1
 
 
 @pytest.mark.parametrize(
@@ -158,7 +192,7 @@ def test_non_numeric_returns_are_errors(value: object, fragment: str) -> None:
     assert rollout.reward is None
     assert rollout.rewards == {"odd": None}
     assert rollout.reward_error == f"odd: {fragment} (expected a finite number)"
-    assert stats.errors == 1
+    assert stats.errors.value == 1
 
 
 def test_long_error_messages_are_shortened() -> None:
@@ -195,8 +229,8 @@ def test_unknown_prompt_id_is_a_caller_bug() -> None:
 
 def test_empty_batch() -> None:
     stats = LocalScorer([RewardFn("len", _flaky)]).score(PROMPTS, [])
-    assert stats.errors == 0 and stats.per_fn_errors == {"len": 0}
-    assert math.isnan(stats.per_fn_mean["len"])
+    assert stats.errors.value == 0 and by_fn(stats, "errors") == {"len": 0}
+    assert math.isnan(by_fn(stats, "mean")["len"])
 
 
 def test_thread_pool_matches_loop_and_uses_threads() -> None:
@@ -221,9 +255,9 @@ def test_thread_pool_matches_loop_and_uses_threads() -> None:
             theirs.rewards,
             theirs.reward_error,
         )
-    assert pool_stats.errors == loop_stats.errors == 6
-    assert pool_stats.per_fn_mean == loop_stats.per_fn_mean
-    assert pool_stats.per_fn_errors == loop_stats.per_fn_errors
+    assert pool_stats.errors.value == loop_stats.errors.value == 6
+    assert by_fn(pool_stats, "mean") == by_fn(loop_stats, "mean")
+    assert by_fn(pool_stats, "errors") == by_fn(loop_stats, "errors")
 
 
 def test_scorer_arguments_are_checked() -> None:
@@ -242,7 +276,7 @@ def test_without_reward_functions_only_episodes_get_a_reward() -> None:
     assert plain.reward is None and "no reward function" in plain.reward_error
     assert episode.reward == 0.75 and episode.rewards == {"env": 0.75}
     assert failed.reward is None and failed.reward_error == "env: step raised KeyError: 'q'"
-    assert stats.errors == 2
+    assert stats.errors.value == 2
 
 
 def test_episode_rewards_add_the_env_reward_and_functions_see_the_turns() -> None:

@@ -15,9 +15,15 @@ import torch
 
 from rltune.config.schema import RewardFnConfig
 from rltune.data.records import Prompt, Rollout
-from rltune.rewards import scorer as scorer_module
+from rltune.metrics.types import scalars
+from rltune.rewards import calls as calls_module
 from rltune.rewards.contract import SampleDropped, batched
-from rltune.rewards.scorer import LocalScorer, RewardFn, build_reward_fns
+from rltune.rewards.scorer import LocalScorer, RewardFn, ScoreStats, build_reward_fns
+
+
+def by_fn(stats: ScoreStats, field: str) -> dict[str, float]:
+    """One statistic of each reward function, as plain numbers."""
+    return {name: getattr(fn, field).value for name, fn in stats.per_fn.items()}
 
 
 def _rollout(prompt_id: str, text: str) -> Rollout:
@@ -52,7 +58,7 @@ def test_a_hung_call_times_out_as_an_error_and_the_rest_still_score() -> None:
     release.set()
     assert [r.reward for r in rollouts] == [1.0, None, 1.0]
     assert rollouts[1].reward_error == "r: timed out (call took over 0.3 s)"
-    assert stats.timeouts == 1 and stats.errors == 1 and stats.per_fn_errors == {"r": 1}
+    assert stats.timeouts.value == 1 and stats.errors.value == 1 and by_fn(stats, "errors") == {"r": 1}
     # the pool that holds the hung thread is replaced: the next round runs at full width
     later = [_rollout("a", "x"), _rollout("b", "y")]
     scorer.score(PROMPTS, later)
@@ -71,7 +77,7 @@ def test_a_timeout_counts_from_when_the_call_starts_not_when_it_was_queued() -> 
     scorer = LocalScorer([RewardFn("r", slow, timeout_s=1.0, cache=False)], max_workers=1)
     rollouts = [_rollout("a", "x") for _ in range(12)]
     stats = scorer.score(PROMPTS, rollouts)
-    assert [r.reward for r in rollouts] == [1.0] * 12 and stats.timeouts == 0
+    assert [r.reward for r in rollouts] == [1.0] * 12 and stats.timeouts.value == 0
     scorer.close()
 
 
@@ -87,11 +93,11 @@ def test_identical_calls_run_once_per_round_and_are_cached_across_rounds() -> No
     stats = scorer.score(PROMPTS, first)
     assert sorted(calls) == ["xx", "xx", "yyy"]  # ("a","xx") once; ("b","xx") is another prompt
     assert [r.reward for r in first] == [2.0, 2.0, 2.0, 3.0]
-    assert stats.calls == {"n": 3} and stats.cache_hits == 0
+    assert by_fn(stats, "calls") == {"n": 3} and stats.cache_hits.value == 0
     second = [_rollout("a", "xx"), _rollout("b", "zz")]
     stats = scorer.score(PROMPTS, second)
     assert sorted(calls) == ["xx", "xx", "yyy", "zz"]
-    assert stats.cache_hits == 1 and stats.calls == {"n": 1}
+    assert stats.cache_hits.value == 1 and by_fn(stats, "calls") == {"n": 1}
     assert [r.reward for r in second] == [2.0, 2.0]
     scorer.close()
 
@@ -159,7 +165,7 @@ def test_async_rewards_run_concurrently_and_time_out_by_cancelling() -> None:
     rollouts = [_rollout("a", f"t{i}") for i in range(10)] + [_rollout("b", "slow")]
     stats = scorer.score(PROMPTS, rollouts)
     assert [r.reward for r in rollouts[:10]] == [0.5] * 10
-    assert rollouts[10].reward is None and stats.timeouts == 1
+    assert rollouts[10].reward is None and stats.timeouts.value == 1
     assert rollouts[10].reward_error == "j: timed out (call took over 1 s)"
     assert cancelled.wait(10)  # the slow call was cancelled, not left running
     scorer.close()
@@ -188,7 +194,7 @@ def test_batched_rewards_get_one_call_and_per_item_errors() -> None:
     assert [r.reward for r in rollouts] == [5.0, None, None, 5.0]
     assert rollouts[1].reward_error == "s: returned None"
     assert rollouts[2].reward_error == "s: ValueError: judge reply had no score"
-    assert stats.calls == {"s": 1} and stats.per_fn_errors == {"s": 2}
+    assert by_fn(stats, "calls") == {"s": 1} and by_fn(stats, "errors") == {"s": 2}
     scorer.close()
 
 
@@ -206,7 +212,7 @@ def test_a_batched_reward_that_raises_or_miscounts_fails_every_sample_it_covered
         with LocalScorer([RewardFn("b", fn)]) as scorer:
             stats = scorer.score(PROMPTS, rollouts)
         assert [r.reward_error for r in rollouts] == [message, message]
-        assert stats.errors == 2
+        assert stats.errors.value == 2
 
 
 def test_async_batched_rewards_are_awaited() -> None:
@@ -233,8 +239,9 @@ def test_a_dropped_sample_is_masked_but_not_an_error() -> None:
     assert rollouts[0].reward == 4.0 and not rollouts[0].dropped
     assert rollouts[1].reward is None and rollouts[1].dropped
     assert rollouts[1].reward_error == "safety: dropped: rule weapons"
-    assert stats.dropped == 1 and stats.errors == 0
-    assert stats.metrics()["reward/dropped"] == 1.0 and stats.metrics()["reward/errors/safety"] == 0.0
+    assert stats.dropped.value == 1 and stats.errors.value == 0
+    m = scalars(stats.metrics())
+    assert m["reward/dropped"] == 1.0 and m["reward/errors/safety"] == 0.0
 
 
 def test_metrics_time_each_reward_function(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,7 +249,7 @@ def test_metrics_time_each_reward_function(monkeypatch: pytest.MonkeyPatch) -> N
     # the calls one at a time: what each function is charged is then exact, whatever else
     # the machine is doing.
     now = [100.0]
-    monkeypatch.setattr(scorer_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(calls_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
 
     def slow(prompt, completion, **meta):
         now[0] += 0.05
@@ -251,7 +258,7 @@ def test_metrics_time_each_reward_function(monkeypatch: pytest.MonkeyPatch) -> N
     fns = [RewardFn("slow", slow, cache=False), RewardFn("len", _length)]
     with LocalScorer(fns, max_workers=1) as scorer:
         stats = scorer.score(PROMPTS, [_rollout("a", "x"), _rollout("b", "y")])
-    m = stats.metrics()
+    m = scalars(stats.metrics())
     assert m["time/reward/slow"] == pytest.approx(0.1, abs=1e-12)  # two calls, summed
     assert m["time/reward/len"] == 0.0
     assert m["perf/reward_calls/slow"] == 2.0 and m["reward/timeouts"] == 0.0
@@ -308,7 +315,7 @@ def test_process_workers_score_kill_hung_calls_and_survive_a_dying_worker(proces
     assert rollouts[0].rewards["cpu"] == 13.0 and rollouts[3].rewards["cpu"] == 12.0
     assert rollouts[1].reward_error == "cpu: timed out (call took over 2 s)"
     assert rollouts[2].reward_error == "cpu: the reward worker process died (exit code 3)"
-    assert stats.timeouts == 1 and stats.errors == 2
+    assert stats.timeouts.value == 1 and stats.errors.value == 2
     assert all(r.rewards["pid"] != float(os.getpid()) for r in rollouts)  # ran elsewhere
     # the killed and the dead worker were replaced: the pool works at full width again
     again = [_rollout("a", "x" * i) for i in range(1, 5)]

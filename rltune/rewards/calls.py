@@ -1,0 +1,233 @@
+"""One call of a reward function, and what its result means.
+
+A :class:`Call` is a per-sample function on one sample or a batched function on several.
+Making it never raises: whatever the user's code does (raise, return None, return
+something that is not a finite number, drop the sample) becomes an :class:`Outcome` per
+sample, a value or an error message. The forms a function can take are in
+:mod:`rltune.rewards.contract`; where calls run is an executor's business
+(:mod:`rltune.rewards.executors`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import numbers
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rltune.data.records import Prompt
+from rltune.rewards.contract import SampleDropped, is_batched
+
+_MAX_SHOWN = 80  # characters of a bad return value or exception message kept in errors
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    """One configured reward function (any form of :mod:`rltune.rewards.contract`).
+
+    ``timeout_s``: the most one call may take (None: no limit); a batched call is one
+    call. ``cache``: reuse values of identical calls (turn off for a reward that is not a
+    function of its inputs, e.g. one that samples). ``spec``/``base_dir``: where it was
+    loaded from, so worker processes can load it too.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
+    cache: bool = True
+    spec: str | None = None
+    base_dir: str | None = None
+    accuracy: bool = False
+    """A pass/fail verifier: the share of its samples scoring 1.0 is logged as accuracy."""
+
+    @property
+    def batched(self) -> bool:
+        return is_batched(self.fn)
+
+    @property
+    def is_async(self) -> bool:
+        fn = self.fn
+        call = getattr(fn, "__call__", None)
+        return inspect.iscoroutinefunction(fn) or (
+            not inspect.isfunction(fn) and inspect.iscoroutinefunction(call)
+        )
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a reward sees of one rollout: its prompt, the completion (an episode's last
+    turn) and, for episodes, the turns (given to per-sample rewards as ``turns``)."""
+
+    prompt: Prompt
+    completion: str
+    turns: list[dict[str, Any]] | None = None
+
+    def meta(self, rf: RewardFn) -> dict[str, Any]:
+        turns = {} if self.turns is None else {"turns": self.turns}
+        return {**self.prompt.meta, **turns, **rf.kwargs}
+
+    def key(self) -> str:
+        """What a reward can depend on: the prompt (id, content, meta), the completion
+        and an episode's turns."""
+        prompt = self.prompt
+        body = json.dumps(
+            [prompt.id, prompt.text, prompt.messages, prompt.meta, self.completion, self.turns],
+            sort_keys=True, default=repr, ensure_ascii=False,
+        )
+        return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One sample's result from one function: a value, or an error message (a drop is an
+    error with ``dropped``). ``seconds``: this sample's share of the call's time."""
+
+    value: float | None
+    error: str | None
+    seconds: float
+    dropped: bool = False
+    timed_out: bool = False
+
+    def shared(self) -> "Outcome":
+        """The outcome of a duplicate sample: same value or error, no time of its own."""
+        return Outcome(self.value, self.error, 0.0, self.dropped, self.timed_out)
+
+
+@dataclass(eq=False)
+class Call:
+    """``rf`` on ``samples`` (one sample; several for a batched function). An executor
+    sets ``started`` when the call begins running (not when it was queued): its timeout
+    counts from there."""
+
+    rf: RewardFn
+    samples: list[Sample]
+    started: float | None = None
+
+    def begin(self) -> None:
+        """Mark the call as running from now."""
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the call began running (0 if it never did)."""
+        return 0.0 if self.started is None else time.perf_counter() - self.started
+
+    def run(self) -> list[Outcome]:
+        """Make the call here, now (in a thread of an executor)."""
+        self.begin()
+        if self.rf.batched:
+            return call_batch(self.rf, [s.prompt for s in self.samples], [s.completion for s in self.samples])
+        return [call_one(self.rf, self.samples[0])]
+
+    async def run_async(self) -> list[Outcome]:
+        """Make the call of an ``async def`` function (on an executor's event loop)."""
+        if self.rf.batched:
+            return await _call_async_batch(self.rf, [s.prompt for s in self.samples], [s.completion for s in self.samples])
+        return await _call_async_one(self.rf, self.samples[0])
+
+    def overdue(self, now: float) -> bool:
+        """Running for longer than the function's timeout."""
+        limit = self.rf.timeout_s
+        return limit is not None and self.started is not None and now - self.started > limit
+
+    def timed_out(self) -> list[Outcome]:
+        """The outcomes of a call cut at its timeout: an error, charged the whole limit."""
+        limit = self.rf.timeout_s
+        what = "batched call" if self.rf.batched else "call"
+        message = f"{self.rf.name}: timed out ({what} took over {limit:g} s)"
+        return [Outcome(None, message, limit, timed_out=True)] * len(self.samples)
+
+    def failed(self, exc: BaseException) -> list[Outcome]:
+        """The outcomes of a call whose wrapper itself failed (cancelled, crashed)."""
+        return [error_outcome(self.rf, exc, 0.0)] * len(self.samples)
+
+
+def overdue(calls: Iterable[Call]) -> list[Call]:
+    """The calls of ``calls`` past their timeout now."""
+    now = time.perf_counter()
+    return [call for call in calls if call.overdue(now)]
+
+
+def call_one(rf: RewardFn, sample: Sample) -> Outcome:
+    """One call of one per-sample reward function; every failure becomes an error."""
+    start = time.perf_counter()
+    try:
+        value = rf.fn(sample.prompt, sample.completion, **sample.meta(rf))
+    except Exception as exc:  # user code: any failure is "no score", reported by name
+        return error_outcome(rf, exc, time.perf_counter() - start)
+    return checked(rf, value, time.perf_counter() - start)
+
+
+async def _call_async_one(rf: RewardFn, sample: Sample) -> list[Outcome]:
+    start = time.perf_counter()
+    try:
+        value = await rf.fn(sample.prompt, sample.completion, **sample.meta(rf))
+    except Exception as exc:
+        return [error_outcome(rf, exc, time.perf_counter() - start)]
+    return [checked(rf, value, time.perf_counter() - start)]
+
+
+def call_batch(rf: RewardFn, prompts: list[Prompt], texts: list[str]) -> list[Outcome]:
+    start = time.perf_counter()
+    try:
+        values = rf.fn(prompts, texts, **rf.kwargs)
+    except Exception as exc:
+        return [error_outcome(rf, exc, time.perf_counter() - start)] * len(prompts)
+    return _batch_outcomes(rf, values, len(prompts), time.perf_counter() - start)
+
+
+async def _call_async_batch(rf: RewardFn, prompts: list[Prompt], texts: list[str]) -> list[Outcome]:
+    start = time.perf_counter()
+    try:
+        values = await rf.fn(prompts, texts, **rf.kwargs)
+    except Exception as exc:
+        return [error_outcome(rf, exc, time.perf_counter() - start)] * len(prompts)
+    return _batch_outcomes(rf, values, len(prompts), time.perf_counter() - start)
+
+
+def _batch_outcomes(rf: RewardFn, values: Any, n: int, seconds: float) -> list[Outcome]:
+    """A batched function's result, checked: one entry per completion. Its time is
+    shared out evenly, so per-function seconds add up to the call's."""
+    try:
+        values = list(values)
+    except TypeError:
+        values = None
+    if values is None or len(values) != n:
+        got = "a non-sequence" if values is None else f"{len(values)} values"
+        error = Outcome(None, f"{rf.name}: returned {got} for {n} completions", seconds / max(n, 1))
+        return [error] * n
+    each = seconds / n
+    return [
+        error_outcome(rf, v, each) if isinstance(v, BaseException) else checked(rf, v, each)
+        for v in values
+    ]
+
+
+def error_outcome(rf: RewardFn, exc: BaseException, seconds: float) -> Outcome:
+    if isinstance(exc, SampleDropped):
+        return Outcome(None, f"{rf.name}: dropped: {_shorten(str(exc))}", seconds, dropped=True)
+    return Outcome(None, f"{rf.name}: {type(exc).__name__}: {_shorten(str(exc))}", seconds)
+
+
+def checked(rf: RewardFn, value: Any, seconds: float) -> Outcome:
+    """A returned value as an outcome: a finite number is a score, anything else an error."""
+    if value is None:
+        return Outcome(None, f"{rf.name}: returned None", seconds)
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        return Outcome(
+            None,
+            f"{rf.name}: returned {type(value).__name__} {_shorten(repr(value))} "
+            "(expected a finite number)",
+            seconds,
+        )
+    return Outcome(float(value), None, seconds)
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
