@@ -12,6 +12,7 @@ from rltune.data.records import TrainBatch
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
+from rltune.learner.parallel import NoParallelism, Parallelism
 from rltune.metrics.types import Aggregator, Histogram, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
 
@@ -21,7 +22,17 @@ class NonFiniteError(RuntimeError):
 
 
 class LocalLearner:
-    """Learner protocol on one torch module in this process."""
+    """Learner protocol on one torch module in this process.
+
+    ``parallelism`` says how this process's step cooperates with the other ranks of a
+    learner group (:mod:`rltune.learner.parallel`): ``NoParallelism()`` (the default)
+    trains alone; with ``DDP()`` or ``FSDP2()`` every rank calls every method together,
+    each with its own shard of the global batch
+    (:func:`rltune.learner.distributed.shard_batch`), and the update and the metrics
+    are the group's: those of one learner on the whole batch. ``model`` stays the plain
+    module (FSDP2 shards it in place); ``train_module`` is what training forwards go
+    through (the DDP wrapper, or ``model``).
+    """
 
     def __init__(
         self,
@@ -29,10 +40,13 @@ class LocalLearner:
         objective: Objective,
         cfg: TrainConfig,
         *,
+        parallelism: Parallelism | None = None,
         temperature: float = 1.0,
         aux_loss_coef: float = 0.0,
         updates_per_step: int = 1,
     ) -> None:
+        self.parallelism = parallelism if parallelism is not None else NoParallelism()
+        self.train_module = self.parallelism.wrap(model)
         self.model = model
         self.objective = objective
         self.cfg = cfg
@@ -49,38 +63,62 @@ class LocalLearner:
     def step(self, batch: TrainBatch) -> dict[str, Metric]:
         """One optimizer step on ``batch``; returns the step's metrics, typed (means
         weighted by each micro-batch's ``objective.metric_weight``)."""
-        self.model.train()
-        denominator = self.objective.denominator(batch)
+        batch = self.parallelism.place(batch)
+        micro = split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit) if len(batch) else []
+        plan = self.parallelism.agree(len(batch), len(micro), self.objective.denominator(batch))
+        self.train_module.train()
         agg = Aggregator()
-        total_loss = torch.zeros(())
-        load = None
-        for mb in split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit):
-            with self._autocast():
-                out = self.objective.forward(
-                    self.model, mb, temperature=self.temperature, router_logits=self.moe
-                )
-            loss, metrics = self.objective.loss(out, mb, denominator)
-            if out.aux_loss is not None and self.aux_loss_coef > 0:
-                share = len(mb) / len(batch)
-                loss = loss + self.aux_loss_coef * share * out.aux_loss.float()
-                metrics["aux_loss"] = out.aux_loss.detach().float()
-            mb_load = getattr(out, "expert_load", None)
+        total_loss = load = None
+        for index in range(plan.forwards):
+            with self.parallelism.gradient_sync(self.train_module, sync=index == plan.forwards - 1):
+                if index >= len(micro):
+                    self._pad_forward(batch)
+                    continue
+                loss, mb_load = self._learn(micro[index], plan.denominator, len(batch), agg)
+            total_loss = loss if total_loss is None else total_loss + loss
             if mb_load is not None:
                 load = mb_load if load is None else load + mb_load
-            loss.backward()
-            total_loss += loss.detach().float()
-            # values stay tensors through the micro-batches and become floats once per step
-            agg.add(metrics, weight=self.objective.metric_weight(mb).detach().float())
         # a loss, and each named part of it (``loss/...``), is the sum of its micro-batch
         # parts; across steps and updates it is averaged
-        result = {k: Mean(m.value) if k.startswith("loss/") and isinstance(m, Sum) else m
-                  for k, m in agg.result().items()}
-        result["loss"] = Mean(float(total_loss))
-        result.update(self._apply_gradients())
-        result["tokens"] = Sum(float(batch.loss_mask.sum()))
+        measured = {k: Mean(m.value) if k.startswith("loss/") and isinstance(m, Sum) else m
+                    for k, m in agg.result().items()}
+        measured["loss"] = Mean(float(total_loss))
+        measured["tokens"] = Sum(float(batch.loss_mask.sum()))
+        applied = self._apply_gradients()  # the same on every rank: not combined
+        result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:
-            result.update(expert_load_metrics(load))
+            result.update(expert_load_metrics(self.parallelism.sum(load)))
         return result
+
+    def _learn(self, mb: TrainBatch, denominator: torch.Tensor, rows: int,
+               agg: Aggregator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of one micro-batch of a ``rows``-row batch, its metrics
+        added to ``agg``; returns its loss (detached, fp32) and MoE routing counts."""
+        with self._autocast():
+            out = self.objective.forward(
+                self.train_module, mb, temperature=self.temperature, router_logits=self.moe
+            )
+        loss, metrics = self.objective.loss(out, mb, denominator)
+        if out.aux_loss is not None and self.aux_loss_coef > 0:
+            share = len(mb) / rows
+            loss = loss + self.aux_loss_coef * share * out.aux_loss.float()
+            metrics["aux_loss"] = out.aux_loss.detach().float()
+        loss.backward()
+        # values stay tensors through the micro-batches and become floats once per step
+        agg.add(metrics, weight=self.objective.metric_weight(mb).detach().float())
+        load = getattr(out, "expert_load", None)
+        return loss.detach().float(), load
+
+    def _pad_forward(self, batch: TrainBatch) -> None:
+        """A forward, and a zero backward, on the batch's first unit of rows: it adds
+        nothing to the gradient, and lets this rank take part in the collectives of a
+        forward that a busier rank runs (:class:`~rltune.learner.parallel.StepPlan`)."""
+        rows = batch.select(slice(0, self.objective.unit)).trim()
+        with self._autocast():
+            out = self.objective.forward(self.train_module, rows, temperature=self.temperature, router_logits=self.moe)
+        outputs = [t for t in vars(out).values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, C]`` per-token log-probs of ``batch`` under the current weights, no grad."""
@@ -92,17 +130,28 @@ class LocalLearner:
 
     def predict(self, batch: TrainBatch, forward, field: str) -> torch.Tensor:
         """The ``field`` of ``forward`` on ``batch``, in eval mode, without gradient, in
-        row chunks within the micro-batch token budget."""
+        row chunks within the micro-batch token budget, one forward each. In a group
+        whose forwards are collectives (FSDP2), a rank with fewer chunks than another
+        runs extra forwards on one row (results dropped) until the counts match."""
+        batch = self.parallelism.place(batch)
+        chunks = -(-len(batch) // chunk_rows(batch, self.cfg.micro_batch_tokens))
+        plan = self.parallelism.agree(len(batch), chunks, None)
         self.model.eval()
-        return predict(
+        out = predict(
             self.model, forward, batch, field,
             budget=self.cfg.micro_batch_tokens, temperature=self.temperature, autocast=self._autocast,
         )
+        first = batch.select(slice(0, 1))
+        with torch.no_grad():
+            for _ in range(plan.forwards - chunks):
+                with self._autocast():
+                    forward(self.model, first, temperature=self.temperature, router_logits=False)
+        return out
 
     def _apply_gradients(self) -> dict[str, Metric]:
         """Clip and step, or skip the step when the gradient norm is not finite."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        grad_norm = float(self.parallelism.clip_grad_norm(self.params, max_norm))  # decides the step
         lr = self.schedule.get_last_lr()[0]
         finite = math.isfinite(grad_norm)
         if finite:
@@ -134,7 +183,8 @@ class LocalLearner:
         return contextlib.nullcontext()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The full weights (in a group, on every rank: FSDP2 gathers them)."""
+        return self.parallelism.full_state_dict(self.model)
 
 
 def expert_load_metrics(load: torch.Tensor, *, per_expert_up_to: int = 16) -> dict[str, Metric]:
@@ -169,11 +219,17 @@ def predict(
     autocast=contextlib.nullcontext,
 ) -> torch.Tensor:
     """``getattr(forward(model, rows), field)`` for all rows of ``batch``, ``[B, C]``
-    float32, computed on consecutive row chunks whose padded size fits ``budget``."""
-    rows = max(1, budget // batch.input_ids.shape[1])
+    float32, computed on consecutive chunks of :func:`chunk_rows` rows."""
+    rows = chunk_rows(batch, budget)
     parts = []
     for i in range(0, len(batch), rows):
         with autocast():
             out = forward(model, batch.select(slice(i, i + rows)), temperature=temperature, router_logits=False)
         parts.append(getattr(out, field).float())
     return torch.cat(parts)
+
+
+def chunk_rows(batch: TrainBatch, budget: int) -> int:
+    """How many of ``batch``'s rows one no-grad forward takes: as many as fit ``budget``
+    padded tokens, at least one."""
+    return max(1, budget // batch.input_ids.shape[1])

@@ -3,6 +3,8 @@ import this module by name, so it holds only importable top-level functions)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -10,10 +12,11 @@ from rltune.algos import ALGORITHMS
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.collate import join
 from rltune.data.records import TrainBatch
-from rltune.learner.distributed import DistributedLearner, shard_batch
+from rltune.learner.distributed import shard_batch
 from rltune.learner.learner import LocalLearner
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import build_objective
+from rltune.learner.parallel import DDP, Parallelism, StepPlan, make_parallelism
 from rltune.metrics.types import scalars
 from rltune.models.load import load_model
 from rltune.models.logprobs import completion_logprobs
@@ -23,7 +26,10 @@ LR = 1e-3
 # Adam's eps as in tests/unit/learner/test_learner_step.py: with the default 1e-8 its
 # slope at g~0 is lr/eps = 1e5 and rounding noise in near-zero gradient components would
 # move parameters by ~1e-5; with 1e-3 the slope is <= 1 and parameters compare at 1e-6.
+# The default eps is compared too, on the first step, against a bound derived per entry
+# (tests/unit/learner/fp32_bounds.py: small_eps_update_tolerance).
 ADAM_EPS = 1e-3
+DEFAULT_EPS = 1e-8
 GRAD_CLIP = 0.05
 BUDGET = 30
 """Micro-batch token budget: the whole batch splits into several micro-batches, and the
@@ -57,13 +63,15 @@ def make_batch(model: torch.nn.Module, *, seed: int = 0) -> TrainBatch:
     )
 
 
-def make_learner(cls: type[LocalLearner], model: torch.nn.Module, **kwargs) -> LocalLearner:
-    """A learner of class ``cls`` with the tests' objective, budget, clip and Adam eps."""
+def make_learner(model: torch.nn.Module, parallelism: Parallelism | None = None, *,
+                 eps: float = ADAM_EPS) -> LocalLearner:
+    """A learner with the tests' objective, budget, clip and Adam ``eps``."""
     objective = build_objective(ALGORITHMS["grpo"], algo_config())
     cfg = TrainConfig(lr=LR, grad_clip=GRAD_CLIP, micro_batch_tokens=BUDGET)
-    learner = cls(model, objective, cfg, **kwargs)
+    learner = LocalLearner(model, objective, cfg, parallelism=parallelism)
+    assert learner.optimizer.defaults["eps"] == DEFAULT_EPS  # what "default" means below
     for group in learner.optimizer.param_groups:
-        group["eps"] = ADAM_EPS
+        group["eps"] = eps
     return learner
 
 
@@ -78,27 +86,41 @@ def train_two_steps(learner: LocalLearner, batch: TrainBatch) -> dict:
             "version": learner.version}
 
 
-class LocalDenominatorLearner(DistributedLearner):
-    """Control: each rank normalises by its own shard's denominator, and DDP averages
-    the ranks' gradients: a mean of per-shard means, not the batch's mean."""
+class PerShardDenominator:
+    """Control: DDP whose ranks normalise by their own shard's denominator while DDP
+    averages the ranks' gradients: a mean of per-shard means, not the batch's mean."""
 
-    def global_denominator(self, batch: TrainBatch) -> torch.Tensor:
-        return self.local_objective.denominator(batch)
+    def __init__(self) -> None:
+        self.ddp = DDP()
+
+    def __getattr__(self, name: str):
+        return getattr(self.ddp, name)
+
+    def agree(self, rows: int, forwards: int, denominator: torch.Tensor | None) -> StepPlan:
+        return replace(self.ddp.agree(rows, forwards, denominator), denominator=denominator)
+
+
+def one_step(learner: LocalLearner, shard: TrainBatch) -> dict:
+    return {"metrics": scalars(learner.step(shard)), "weights": learner.export_weights()}
 
 
 def group_run(model_dir: str, batch: TrainBatch) -> dict:
-    """One rank: two steps with DDP, two with FSDP2, and one with the control, each from
-    a freshly loaded model, on this rank's shard of ``batch``."""
+    """One rank, each learner from a freshly loaded model on this rank's shard of
+    ``batch``: two steps with DDP and two with FSDP2; one step with each at Adam's
+    default eps; one step of the control at either eps."""
     torch.set_num_threads(1)
     shard = shard_batch(batch, dist.get_rank(), dist.get_world_size())
     out: dict = {"micro_batches": len(split_by_tokens(shard, BUDGET))}
     for strategy in ("ddp", "fsdp2"):
-        learner = make_learner(DistributedLearner, load_model(model_dir), strategy=strategy)
+        learner = make_learner(load_model(model_dir), make_parallelism(strategy))
         out[strategy] = train_two_steps(learner, shard)
         # rank r predicts r + 1 rows: the ranks run different numbers of row chunks
         out[strategy]["uneven_logprobs"] = learner.logprobs(shard.select(slice(0, dist.get_rank() + 1)))
-    control = make_learner(LocalDenominatorLearner, load_model(model_dir), strategy="ddp")
-    out["local_denominator"] = {"metrics": scalars(control.step(shard)), "weights": control.export_weights()}
+        default_eps = make_learner(load_model(model_dir), make_parallelism(strategy), eps=DEFAULT_EPS)
+        out[f"{strategy}_default_eps"] = one_step(default_eps, shard)
+    out["local_denominator"] = one_step(make_learner(load_model(model_dir), PerShardDenominator()), shard)
+    out["local_denominator_default_eps"] = one_step(
+        make_learner(load_model(model_dir), PerShardDenominator(), eps=DEFAULT_EPS), shard)
     return out
 
 

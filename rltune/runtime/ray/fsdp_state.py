@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from rltune.learner.distributed import DistributedLearner
+from rltune.learner.learner import LocalLearner
 from rltune.models.lora import is_lora
 from rltune.runtime.state import apply_learner_state, learner_state
 
 
-def fsdp2_state(learner: DistributedLearner, prefix: str) -> tuple[dict, dict] | None:
+def fsdp2_state(learner: LocalLearner, prefix: str) -> tuple[dict, dict] | None:
     """:func:`learner_state` of an FSDP2 learner on rank 0 (None on the others): the full
     model and optimizer state dicts are gathered to rank 0's CPU, the optimizer's state
     then keyed by parameter index as ``torch.optim.Optimizer.state_dict`` keys it, so the
@@ -35,7 +35,7 @@ def fsdp2_state(learner: DistributedLearner, prefix: str) -> tuple[dict, dict] |
     # (torch initialises it with a zero-gradient step); every rank has stepped as often
     optim_state = (get_optimizer_state_dict(learner.model, learner.optimizer, options=options)
                    if learner.optimizer.state else {"state": {}})
-    if learner.rank != 0:
+    if learner.parallelism.rank != 0:
         return None
     index = {name: i for i, name in enumerate(_param_names(learner))}
     by_index = {
@@ -51,7 +51,7 @@ def fsdp2_state(learner: DistributedLearner, prefix: str) -> tuple[dict, dict] |
     return learner_state(view, prefix)
 
 
-def apply_fsdp2_state(learner: DistributedLearner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+def apply_fsdp2_state(learner: LocalLearner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
     """:func:`apply_learner_state` for an FSDP2 learner: the checks and the scheduler and
     counters as there; each rank then takes its shards of the full state dicts."""
     from torch.distributed.checkpoint.state_dict import (
@@ -87,7 +87,7 @@ def apply_fsdp2_state(learner: DistributedLearner, tensors: dict, meta: dict, pa
     learner.nonfinite_total = view.nonfinite_total
 
 
-def _refuse_fsdp2_lora(learner: DistributedLearner) -> None:
+def _refuse_fsdp2_lora(learner: LocalLearner) -> None:
     if is_lora(learner.model):
         raise RuntimeError(
             "checkpoints of a LoRA model sharded with FSDP2 are not supported (its checkpoint "
@@ -96,7 +96,7 @@ def _refuse_fsdp2_lora(learner: DistributedLearner) -> None:
         )
 
 
-def _param_names(learner: DistributedLearner) -> list[str]:
+def _param_names(learner: LocalLearner) -> list[str]:
     """The names of the optimizer's parameters, in the order that numbers them in
     ``optimizer.state_dict()``."""
     name_of = {id(p): name for name, p in learner.model.named_parameters()}

@@ -4,13 +4,14 @@
 placement group, form one torch.distributed group (gloo on CPU, NCCL when the actor
 reserved a GPU) and train one model with DDP or FSDP2
 (``runtime.placement.learner_strategy``), each rank a
-:class:`~rltune.learner.distributed.DistributedLearner`. The driver holds a
+:class:`~rltune.learner.learner.LocalLearner` with that strategy
+(:mod:`rltune.learner.parallel`). The driver holds a
 :class:`RayLearnerGroup`, which implements the Learner protocol of
 ``rltune/runtime/loop.py``: it cuts each global batch into the ranks' shards
 (:func:`~rltune.learner.distributed.shard_batch`), calls every rank together and returns
 rank 0's answer. The group's update is the one a
 :class:`~rltune.learner.learner.LocalLearner` of the same config makes on the whole batch
-(see ``rltune/learner/distributed.py`` for why), and every actor builds its learner as
+(see ``rltune/learner/parallel.py`` for why), and every actor builds its learner as
 ``rltune.runtime.local.build_run`` builds the local one, so both start identical.
 
 The model lives in the actors: the group has no ``model`` attribute. The driver gets the
@@ -42,7 +43,9 @@ from ray.exceptions import RayActorError
 
 from rltune.config import Config
 from rltune.data.records import TrainBatch
-from rltune.learner.distributed import DistributedLearner, init_group, shard_batch
+from rltune.learner.distributed import init_group, loopback_interface, shard_batch
+from rltune.learner.learner import LocalLearner
+from rltune.learner.parallel import make_parallelism
 from rltune.metrics.types import Metric
 from rltune.runtime.local import (
     learner_model,
@@ -123,8 +126,9 @@ class LearnerActor:
         algorithm = lookup_algorithm(cfg.algo.name)
         model = learner_model(cfg, model_dir)
         objective = learner_objective(cfg, algorithm)
-        self.learner = DistributedLearner(
-            model, objective, cfg.train, strategy=self.strategy, **learner_options(cfg, algorithm, model)
+        self.parallelism = make_parallelism(self.strategy)
+        self.learner = LocalLearner(
+            model, objective, cfg.train, parallelism=self.parallelism, **learner_options(cfg, algorithm, model)
         )
 
     # -- training and prediction (every rank) ------------------------------------------
@@ -156,7 +160,7 @@ class LearnerActor:
         from rltune.runtime.ray.sync import WeightChannel, layout
 
         self.close_channel()
-        self.channel = WeightChannel(addr, port, 0, world, device=self.learner.device)
+        self.channel = WeightChannel(addr, port, 0, world, device=self.parallelism.device)
         return layout(self.learner.model.state_dict())
 
     def close_channel(self) -> None:
@@ -221,7 +225,7 @@ def _join_environment(rank: int, world: int, master_addr: str, master_port: int)
     os.environ["LOCAL_RANK"] = "0"
     if master_addr.startswith("127."):
         # a single-node cluster bound to loopback: gloo's own connections stay on it too
-        loopback = next((n for _, n in socket.if_nameindex() if n in ("lo", "lo0")), None)
+        loopback = loopback_interface()
         if loopback is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     return "gloo"
@@ -399,7 +403,7 @@ class RayLearnerGroup:
         self._version = self._gather(refs, "load_checkpoint_state")[0]
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """``fn(learner, *args)`` on every rank's :class:`DistributedLearner`, together;
+        """``fn(learner, *args)`` on every rank's :class:`LocalLearner`, together;
         each rank's result, in rank order. ``fn`` must be picklable by Ray."""
         with self._lock:
             refs = [a.run.remote(fn, *args) for a in self.actors]

@@ -102,20 +102,50 @@ def gradient_tolerance(scales: dict[str, torch.Tensor], batch: TrainBatch) -> di
     return {name: 4 * positions * U * a for name, a in scales.items()}
 
 
+def clipped_tolerance(
+    grads: dict[str, torch.Tensor], grad_tol: dict[str, torch.Tensor], *, clip: float | None,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """``(s, T)``: the clip's scale ``s`` of the (unclipped) gradients ``grads``, and how
+    far the clipped gradients may differ, per entry, when ``grads`` may differ by
+    ``grad_tol`` (module docstring)."""
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
+    tol_norm = torch.sqrt(sum((t.double() ** 2).sum() for t in grad_tol.values()))
+    scale = 1.0 if clip is None else min(1.0, clip / float(norm))
+    norm_rounding = 0.0 if scale == 1.0 else (max(g.numel() for g in grads.values()) + len(grads)) * U
+    return scale, {name: scale * (grad_tol[name] + g.abs() * (float(tol_norm / norm) + norm_rounding))
+                   for name, g in grads.items()}
+
+
 def update_tolerance(
     params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], grad_tol: dict[str, torch.Tensor],
     *, lr: float, eps: float, clip: float | None,
 ) -> dict[str, torch.Tensor]:
     """How far the parameters after AdamW's first step may differ, per entry, when the
     (unclipped) gradients ``grads`` may differ by ``grad_tol`` (module docstring)."""
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
-    tol_norm = torch.sqrt(sum((t.double() ** 2).sum() for t in grad_tol.values()))
-    scale = 1.0 if clip is None else min(1.0, clip / float(norm))
-    norm_rounding = 0.0 if scale == 1.0 else (max(g.numel() for g in grads.values()) + len(grads)) * U
+    _, g_tol = clipped_tolerance(grads, grad_tol, clip=clip)
+    return {name: lr / eps * g_tol[name] + 2 * U * (p.abs() + 8 * lr) for name, p in params.items()}
+
+
+def small_eps_update_tolerance(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], grad_tol: dict[str, torch.Tensor],
+    *, lr: float, eps: float, clip: float | None,
+) -> dict[str, torch.Tensor]:
+    """:func:`update_tolerance` by the update's slope where the gradient is, not its
+    largest slope: what makes a bound for Adam's default eps (1e-8).
+
+    There the largest slope ``lr / eps`` (1e5 at lr 1e-3) would allow more than the
+    ``2 lr`` by which any two first steps can differ. But the first step
+    ``lr g / (|g| + eps)`` has slope ``lr eps / (|g| + eps)^2``, which falls fast once
+    ``|g| >> eps``: when the clipped gradient ``c = s g`` may be off by ``T``, every value
+    between lies at least ``max(|c| - T, 0)`` from 0, so the updates differ by at most
+    ``T lr eps / (max(|c| - T, 0) + eps)^2`` (mean value theorem), and never by more than
+    ``2 lr``; the update's own roundings and the parameter's as in :func:`update_tolerance`."""
+    scale, g_tol = clipped_tolerance(grads, grad_tol, clip=clip)
     out = {}
     for name, p in params.items():
-        g_tol = scale * (grad_tol[name] + grads[name].abs() * (float(tol_norm / norm) + norm_rounding))
-        out[name] = lr / eps * g_tol + 2 * U * (p.abs() + 8 * lr)
+        nearest = (scale * grads[name].double().abs() - g_tol[name]).clamp(min=0.0)
+        slope_bound = (g_tol[name] * lr * eps / (nearest + eps) ** 2).clamp(max=2 * lr)
+        out[name] = slope_bound + 2 * U * (p.double().abs() + 8 * lr)
     return out
 
 
