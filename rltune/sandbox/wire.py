@@ -191,6 +191,9 @@ def _hex_int(text: str) -> int:
     return int(text, 16)
 
 
+_CONSTANTS: dict[bytes, object] = {b"N": None, b"T": True, b"F": False}
+
+
 def _load(data: bytes, pos: int, handle: Decoder | None, room: int) -> tuple[object, int]:
     """One value at ``pos``; ``room``: how many more levels of nesting are allowed."""
     if room < 0:
@@ -199,22 +202,10 @@ def _load(data: bytes, pos: int, handle: Decoder | None, room: int) -> tuple[obj
         raise WireError("truncated message")
     tag = data[pos:pos + 1]
     pos += 1
-    if tag == b"N":
-        return None, pos
-    if tag == b"T":
-        return True, pos
-    if tag == b"F":
-        return False, pos
-    if tag == b"i":
-        text, pos = _number(data, pos)
-        return _hex_int(text), pos
-    if tag == b"f":
-        text, pos = _number(data, pos)
-        return float.fromhex(text), pos
-    if tag == b"c":
-        re_text, pos = _number(data, pos)
-        im_text, pos = _number(data, pos)
-        return complex(float.fromhex(re_text), float.fromhex(im_text)), pos
+    if tag in _CONSTANTS:
+        return _CONSTANTS[tag], pos
+    if tag in (b"i", b"f", b"c", b"q"):
+        return _load_number(tag, data, pos)
     if tag in (b"s", b"b", b"y", b"D"):
         raw, pos = _bytes_at(data, pos)
         if tag == b"s":
@@ -224,27 +215,8 @@ def _load(data: bytes, pos: int, handle: Decoder | None, room: int) -> tuple[obj
 
             return decimal.Decimal(raw.decode("ascii")), pos
         return (raw if tag == b"b" else bytearray(raw)), pos
-    if tag in (b"l", b"t", b"S", b"Z"):
-        n, pos = _count(data, pos)
-        items = []
-        for _ in range(n):
-            item, pos = _load(data, pos, handle, room - 1)
-            items.append(item)
-        kind = {b"l": list, b"t": tuple, b"S": set, b"Z": frozenset}[tag]
-        return (items if kind is list else kind(items)), pos
-    if tag == b"d":
-        n, pos = _count(data, pos)
-        out = {}
-        for _ in range(n):
-            key, pos = _load(data, pos, handle, room - 1)
-            out[key], pos = _load(data, pos, handle, room - 1)
-        return out, pos
-    if tag == b"q":
-        num, pos = _number(data, pos)
-        den, pos = _number(data, pos)
-        import fractions
-
-        return fractions.Fraction(_hex_int(num), _hex_int(den)), pos
+    if tag in (b"l", b"t", b"S", b"Z", b"d"):
+        return _load_container(tag, data, pos, handle, room)
     if tag == b"x":
         text, pos = _number(data, pos)
         if not text.isdigit():
@@ -254,6 +226,40 @@ def _load(data: bytes, pos: int, handle: Decoder | None, room: int) -> tuple[obj
             raise WireError("unexpected handle")
         return handle(int(text), name.decode("utf-8", "replace")), pos
     raise WireError(f"unknown tag {tag!r} at byte {pos - 1}")
+
+
+def _load_number(tag: bytes, data: bytes, pos: int) -> tuple[object, int]:
+    """The int (``i``), float (``f``), complex (``c``) or Fraction (``q``) after ``tag``."""
+    text, pos = _number(data, pos)
+    if tag == b"i":
+        return _hex_int(text), pos
+    if tag == b"f":
+        return float.fromhex(text), pos
+    second, pos = _number(data, pos)
+    if tag == b"c":
+        return complex(float.fromhex(text), float.fromhex(second)), pos
+    import fractions
+
+    return fractions.Fraction(_hex_int(text), _hex_int(second)), pos
+
+
+def _load_container(tag: bytes, data: bytes, pos: int, handle: Decoder | None,
+                    room: int) -> tuple[object, int]:
+    """The list, tuple, set, frozenset (``l t S Z``: a count, then the items) or dict
+    (``d``: a count, then key and value in turn) after ``tag``, one level deeper."""
+    n, pos = _count(data, pos)
+    if tag == b"d":
+        out = {}
+        for _ in range(n):
+            key, pos = _load(data, pos, handle, room - 1)
+            out[key], pos = _load(data, pos, handle, room - 1)
+        return out, pos
+    items = []
+    for _ in range(n):
+        item, pos = _load(data, pos, handle, room - 1)
+        items.append(item)
+    kind = {b"l": list, b"t": tuple, b"S": set, b"Z": frozenset}[tag]
+    return (items if kind is list else kind(items)), pos
 
 
 # --------------------------------------------------------------------------- framing
