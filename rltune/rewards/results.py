@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from rltune.data.records import Rollout
+from rltune.metrics import keys
 from rltune.metrics.types import Mean, Metric, Sum, reduce
 from rltune.rewards.calls import Outcome, RewardFn
 
@@ -87,12 +88,12 @@ class ScoreStats:
         empty one), not on the training state."""
         out: dict[str, Metric] = {}
         for name, fn in self.per_fn.items():
-            out[f"time/reward/{name}"] = fn.seconds
-            out[f"perf/reward_calls/{name}"] = fn.calls
-            out[f"reward/errors/{name}"] = fn.errors
-        out["perf/reward_cache_hits"] = self.cache_hits
-        out["reward/timeouts"] = self.timeouts
-        out["reward/dropped"] = self.dropped
+            out[keys.reward_time_key(name)] = fn.seconds
+            out[keys.perf_reward_calls_key(name)] = fn.calls
+            out[keys.reward_errors_key(name)] = fn.errors
+        out[keys.PERF_REWARD_CACHE_HITS] = self.cache_hits
+        out[keys.REWARD_TIMEOUTS] = self.timeouts
+        out[keys.REWARD_DROPPED] = self.dropped
         return out
 
     @staticmethod
