@@ -229,10 +229,8 @@ def ppo_policy_loss(
     keep = m != 0
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # [B] -> [B, 1], broadcast over tokens
-    # Zero the inputs at padding *before* exp: a where() after an inf would still send
-    # NaN gradients (0 * inf) back through the masked-out entries.
-    adv = torch.where(keep, advantages, torch.zeros_like(m))
-    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(m))
+    adv = torch.where(keep, advantages, torch.zeros_like(m))  # zeroed at padding, as the ratio
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
     ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
     per_token, is_clipped, is_capped = _clipped_surrogate(
         ratio, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
@@ -241,15 +239,28 @@ def ppo_policy_loss(
         _check_shapes(caller, logprobs=logprobs, is_weights=is_weights)
         per_token = per_token * is_weights.detach()
     loss = _aggregate(per_token, m, aggregation, denominator, caller, max_len=max_len)
-    with torch.no_grad():
-        metrics = {
-            "clip_frac": masked_mean(is_clipped.to(m.dtype), m),
-            "dual_clip_frac": masked_mean(is_capped.to(m.dtype), m),
-            "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
-            "ratio_mean": masked_mean(ratio, m),
-            "ratio_max": Max(torch.where(keep, ratio, torch.zeros_like(ratio)).amax()),
-        }
-    return loss, metrics
+    return loss, _ppo_metrics(m, is_clipped, is_capped, log_ratio, ratio)
+
+
+def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      m: torch.Tensor) -> torch.Tensor:
+    """``logprobs - old_logprobs`` ``[B, T]``, 0 where the mask ``m`` is 0. Padding is
+    zeroed *before* the exp: a where() after an inf would still send NaN gradients
+    (0 * inf) back through the masked-out entries."""
+    return torch.where(m != 0, logprobs - old_logprobs, torch.zeros_like(m))
+
+
+@torch.no_grad()
+def _ppo_metrics(m: torch.Tensor, is_clipped: torch.Tensor, is_capped: torch.Tensor,
+                 log_ratio: torch.Tensor, ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``ppo_policy_loss``'s metrics: masked means over the tokens of ``m``."""
+    return {
+        "clip_frac": masked_mean(is_clipped.to(m.dtype), m),
+        "dual_clip_frac": masked_mean(is_capped.to(m.dtype), m),
+        "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
+        "ratio_mean": masked_mean(ratio, m),
+        "ratio_max": Max(torch.where(m != 0, ratio, torch.zeros_like(ratio)).amax()),
+    }
 
 
 def sft_loss(
@@ -329,17 +340,11 @@ def gspo_policy_loss(
     """
     caller = "gspo_policy_loss"
     _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"{caller}: clip_low={clip_low} must be in [0, 1)")
-    if clip_high < 0.0:
-        raise ValueError(f"{caller}: clip_high={clip_high} must be >= 0")
+    _check_clip_range(clip_low, clip_high, caller)
     m = mask.to(logprobs.dtype)
-    keep = m != 0
-    seq_m = keep.any(dim=-1).to(m.dtype)
-    # zero padding before the exp, as in ppo_policy_loss, so no NaN gradient comes back
-    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(m))
-    seq_log_ratio = masked_mean(log_ratio, m, dim=-1)
-    ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    seq_m = (m != 0).any(dim=-1).to(m.dtype)
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
+    ratio = masked_mean(log_ratio, m, dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
     adv = _per_sequence(advantages, m, "advantages", caller).to(m.dtype)
     adv = torch.where(seq_m != 0, adv, torch.zeros_like(seq_m))
     per_seq, is_clipped, _ = _clipped_surrogate(
@@ -349,11 +354,24 @@ def gspo_policy_loss(
         w = _per_sequence(is_weights.detach().to(m.dtype), m, "is_weights", caller)
         per_seq = per_seq * torch.where(seq_m != 0, w, torch.zeros_like(w))
     loss = _aggregate(per_seq.unsqueeze(-1), seq_m.unsqueeze(-1), "token-mean", denominator, caller)
-    with torch.no_grad():
-        metrics = {
-            "clip_frac": masked_mean(is_clipped.to(m.dtype), seq_m),
-            "ratio_mean": masked_mean(ratio, seq_m),
-            "ratio_max": Max(torch.where(seq_m != 0, ratio, torch.zeros_like(ratio)).amax()),
-            "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
-        }
-    return loss, metrics
+    return loss, _gspo_metrics(m, seq_m, is_clipped, log_ratio, ratio)
+
+
+def _check_clip_range(clip_low: float, clip_high: float, caller: str) -> None:
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"{caller}: clip_low={clip_low} must be in [0, 1)")
+    if clip_high < 0.0:
+        raise ValueError(f"{caller}: clip_high={clip_high} must be >= 0")
+
+
+@torch.no_grad()
+def _gspo_metrics(m: torch.Tensor, seq_m: torch.Tensor, is_clipped: torch.Tensor,
+                  log_ratio: torch.Tensor, ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``gspo_policy_loss``'s metrics: over the non-empty sequences ``seq_m`` ``[B]``, the
+    k3 estimate over the tokens of ``m`` ``[B, T]``."""
+    return {
+        "clip_frac": masked_mean(is_clipped.to(m.dtype), seq_m),
+        "ratio_mean": masked_mean(ratio, seq_m),
+        "ratio_max": Max(torch.where(seq_m != 0, ratio, torch.zeros_like(ratio)).amax()),
+        "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
+    }
