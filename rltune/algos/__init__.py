@@ -23,7 +23,7 @@ from rltune.algos.losses import (
 )
 from rltune.algos.preference import bradley_terry_loss, dpo_loss, simpo_loss
 from rltune.algos.reduce import masked_mean, masked_sum, masked_whiten
-from rltune.algos.registry import ALGORITHMS, Algorithm
+from rltune.algos.registry import ALGORITHMS, Algorithm, config_problems
 from rltune.algos.shaping import (
     groups_with_spread,
     kl_shaped_rewards,
@@ -40,6 +40,7 @@ __all__ = [
     "adaptive_kl_coef",
     "aggregate_loss",
     "bradley_terry_loss",
+    "config_problems",
     "dpo_loss",
     "gae",
     "group_advantages",

@@ -1,5 +1,9 @@
 """The algorithms rltune can run, as data: what each needs and which math it uses.
 
+The registry is the one place that knows what an algorithm is: the config holds no list
+of algorithm names, and the run checks the config against the entry
+(:func:`config_problems`) before it loads anything.
+
 A new algorithm is a new entry here and, at most, a new small function in this package
 (see docs/algorithms.md, "Adding an algorithm"). Hyper-parameter defaults that differ by
 algorithm (DAPO's clip-higher, GSPO's narrow clip, ...) are presets of the config
@@ -36,6 +40,13 @@ class Algorithm:
     ``loss_kwargs(algo_cfg, max_len)``: an online policy loss's hyper-parameters
     (``max_len`` is ``rollout.max_new_tokens``); it is called as
     ``loss(logprobs, old_logprobs, advantages, mask, is_weights=, denominator=, **kwargs)``.
+    ``group_baseline``: its baseline is the other samples of the same prompt, so a group
+    needs at least two (``algo.group_size >= 2``).
+    ``token_rewards``: its rewards are per token, so a KL penalty can go into the reward
+    (``algo.kl_in_reward``).
+    ``sequence_ratio``: one importance ratio per sequence (GSPO), so the loss averages per
+    sequence and a token-level dual clip does not apply.
+    ``pairs``: it learns from preference pairs (chosen, rejected), not from prompts.
     """
 
     name: str
@@ -48,6 +59,10 @@ class Algorithm:
     baseline: Callable | None = None
     advantage_kwargs: Callable[[Any], dict[str, Any]] = lambda cfg: {}
     loss_kwargs: Callable[[Any, int | None], dict[str, Any]] = lambda cfg, max_len: {}
+    group_baseline: bool = False
+    token_rewards: bool = False
+    sequence_ratio: bool = False
+    pairs: bool = False
 
     def requires_reference(self, kl_coef: float) -> bool:
         """Whether a reference model must be loaded for this ``kl_coef``."""
@@ -89,40 +104,76 @@ def online_algorithm(
     )
 
 
-def offline_algorithm(name: str, loss: Callable, *, needs_reference: bool = False) -> Algorithm:
-    """An entry for an algorithm that learns from a fixed dataset."""
+def offline_algorithm(name: str, loss: Callable, *, needs_reference: bool = False, pairs: bool = False) -> Algorithm:
+    """An entry for an algorithm that learns from a fixed dataset (of preference pairs
+    with ``pairs``)."""
     return Algorithm(
         name=name, online=False, needs_reference=needs_reference, uses_reference_when_kl=False,
-        needs_critic=False, advantage=None, loss=loss,
+        needs_critic=False, advantage=None, loss=loss, pairs=pairs,
     )
 
 
 ALGORITHMS: dict[str, Algorithm] = {
     # GRPO (Shao et al. 2024): group-relative advantages, clipped PPO surrogate, no critic.
-    "grpo": online_algorithm("grpo", group_advantages, advantage_kwargs=group_advantage_kwargs),
+    "grpo": online_algorithm("grpo", group_advantages, advantage_kwargs=group_advantage_kwargs, group_baseline=True),
     # Dr. GRPO (Liu et al. 2025): GRPO without std scaling and with a constant normaliser.
-    "dr_grpo": online_algorithm("dr_grpo", group_advantages, advantage_kwargs=group_advantage_kwargs),
+    "dr_grpo": online_algorithm(
+        "dr_grpo", group_advantages, advantage_kwargs=group_advantage_kwargs, group_baseline=True,
+    ),
     # DAPO (Yu et al. 2025): clip-higher, token-mean loss, dynamic sampling, overlong penalty.
-    "dapo": online_algorithm("dapo", group_advantages, advantage_kwargs=group_advantage_kwargs),
+    "dapo": online_algorithm("dapo", group_advantages, advantage_kwargs=group_advantage_kwargs, group_baseline=True),
     # GSPO (Zheng et al. 2025): group advantages, sequence-level importance ratio.
     "gspo": online_algorithm(
         "gspo", group_advantages, gspo_policy_loss,
         advantage_kwargs=group_advantage_kwargs, loss_kwargs=gspo_loss_kwargs,
+        group_baseline=True, sequence_ratio=True,
     ),
     # RLOO (Ahmadian et al. 2024): leave-one-out baseline within the group.
-    "rloo": online_algorithm("rloo", rloo_advantages),
+    "rloo": online_algorithm("rloo", rloo_advantages, group_baseline=True),
     # REINFORCE++ (Hu 2025): token-level returns whitened over the batch, no critic.
-    "reinforce_pp": online_algorithm("reinforce_pp", reinforce_pp_advantages),
+    "reinforce_pp": online_algorithm("reinforce_pp", reinforce_pp_advantages, token_rewards=True),
     # REINFORCE++ with the group mean subtracted from each reward first.
-    "reinforce_pp_baseline": online_algorithm("reinforce_pp_baseline", reinforce_pp_advantages, baseline=group_baseline),
+    "reinforce_pp_baseline": online_algorithm(
+        "reinforce_pp_baseline", reinforce_pp_advantages, baseline=group_baseline,
+        group_baseline=True, token_rewards=True,
+    ),
     # PPO (Schulman et al. 2017; Ouyang et al. 2022): a critic and GAE.
-    "ppo": online_algorithm("ppo", gae, needs_critic=True),
+    "ppo": online_algorithm("ppo", gae, needs_critic=True, token_rewards=True),
     # Supervised fine-tuning: token-mean NLL on a fixed dataset.
     "sft": offline_algorithm("sft", sft_loss),
     # DPO (Rafailov et al. 2023) and its IPO / hinge / robust variants: frozen reference.
-    "dpo": offline_algorithm("dpo", dpo_loss, needs_reference=True),
+    "dpo": offline_algorithm("dpo", dpo_loss, needs_reference=True, pairs=True),
     # SimPO (Meng et al. 2024): length-normalised, reference-free.
-    "simpo": offline_algorithm("simpo", simpo_loss),
+    "simpo": offline_algorithm("simpo", simpo_loss, pairs=True),
     # Reward model: Bradley-Terry on a scalar head.
-    "reward_model": offline_algorithm("reward_model", bradley_terry_loss),
+    "reward_model": offline_algorithm("reward_model", bradley_terry_loss, pairs=True),
 }
+
+
+def config_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
+    """What in a run config (``rltune.config.Config``) ``algorithm`` cannot run with, one
+    line each; empty when nothing. The checks that depend on which algorithm it is live
+    here, next to what each algorithm is, so a registered algorithm is checked the same
+    as a built-in one."""
+    a, name = cfg.algo, algorithm.name
+    problems = []
+    if algorithm.online and not cfg.reward and cfg.env.name is None:
+        problems.append(f"algo.name={name} needs at least one entry in `reward` (or an `env` whose steps give rewards)")
+    if not algorithm.online and cfg.runtime.max_staleness > 0:
+        problems.append(f"runtime.max_staleness is for algorithms that generate; {name} does not")
+    if algorithm.group_baseline and a.group_size < 2:
+        problems.append(f"algo.group_size must be >= 2 for {name} (the group is the baseline)")
+    if a.kl_in_reward and not algorithm.token_rewards:
+        token = ", ".join(sorted(k for k, entry in ALGORITHMS.items() if entry.token_rewards))
+        problems.append(
+            f"algo.kl_in_reward needs per-token rewards ({token}); "
+            f"for {name} put the KL in the loss (kl_in_reward: false)"
+        )
+    if algorithm.sequence_ratio and a.aggregation != "seq-mean-token-mean":
+        problems.append(
+            f"algo.name={name} averages one ratio per sequence; algo.aggregation must be "
+            f"seq-mean-token-mean, not {a.aggregation}"
+        )
+    if algorithm.sequence_ratio and a.dual_clip is not None:
+        problems.append(f"algo.dual_clip applies to token ratios; {name} clips one ratio per sequence")
+    return problems

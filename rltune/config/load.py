@@ -50,6 +50,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             problems.append(f"override `{text}`: {exc}")
     if problems:
         raise ConfigError(_report(source, problems))
+    if empty_file and not overrides:
+        raise ConfigError(
+            f"config file {source} is empty (or only comments), so every setting would be a "
+            f"default and that is not a complete experiment; write its sections (model, "
+            f"data, reward, ...) or start from a file in recipes/"
+        )
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

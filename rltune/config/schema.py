@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -80,21 +82,12 @@ ALGO_PRESETS: dict[str, dict[str, object]] = {
 }
 """Defaults that differ by ``algo.name``; a key the user sets always wins."""
 
-ONLINE_ALGOS = frozenset(
-    {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"}
-)
-"""Built-in algorithms that generate and score rollouts every step, for checks at load time
-(the registry says the same; the run repeats the check for any registered algorithm)."""
-GROUP_BASELINE_ALGOS = ONLINE_ALGOS - {"ppo", "reinforce_pp"}
-"""Algorithms whose baseline is the other samples of the same prompt."""
-TOKEN_REWARD_ALGOS = frozenset({"ppo", "reinforce_pp", "reinforce_pp_baseline"})
-"""Algorithms with per-token rewards, where a KL penalty can go into the reward."""
-
 
 class AlgoConfig(_Section):
     name: str = "grpo"
     """A key of ``rltune.algos.ALGORITHMS`` (the registry is the one list of algorithms;
-    the run checks the name before loading anything, with the closest name on a typo)."""
+    the run checks the name, and the keys that depend on the algorithm, before loading
+    anything, with the closest name on a typo)."""
     group_size: int = Field(8, ge=1)
     """Samples drawn per prompt; the group is the baseline for GRPO/RLOO advantages."""
     adv_scale: Literal["std", "none"] = "std"
@@ -449,30 +442,16 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        name = self.algo.name
-        if name in ONLINE_ALGOS and not self.reward and self.env.name is None:
-            raise ValueError(
-                f"algo.name={name} needs at least one entry in `reward` (or an `env` whose "
-                "steps give rewards)"
-            )
-        for problem in _algo_problems(self.algo):
+        """Checks across sections that hold for every algorithm; those that depend on
+        which algorithm it is are the registry's (``rltune.algos.config_problems``)."""
+        for problem in _algo_problems(self.algo) + _reward_name_problems(self):
             raise ValueError(problem)
-        if name == "gspo" and self.algo.aggregation != "seq-mean-token-mean":
+        if self.runtime.max_staleness > 0 and self.algo.importance_correction == "none":
             raise ValueError(
-                "algo.name=gspo averages one ratio per sequence; algo.aggregation must be "
-                f"seq-mean-token-mean, not {self.algo.aggregation}"
+                "runtime.max_staleness > 0 learns on samples of older policies; set "
+                "algo.importance_correction to token-truncate or seq-mask so the loss "
+                "weighs them by the engine's log-probs"
             )
-        if name in GROUP_BASELINE_ALGOS and self.algo.group_size < 2:
-            raise ValueError(f"algo.group_size must be >= 2 for {name} (the group is the baseline)")
-        if self.runtime.max_staleness > 0:
-            if name not in ONLINE_ALGOS:
-                raise ValueError(f"runtime.max_staleness is for algorithms that generate; {name} does not")
-            if self.algo.importance_correction == "none":
-                raise ValueError(
-                    "runtime.max_staleness > 0 learns on samples of older policies; set "
-                    "algo.importance_correction to token-truncate or seq-mask so the loss "
-                    "weighs them by the engine's log-probs"
-                )
         if self.rollout.engine == "vllm" and self.model.lora is not None:
             raise ValueError(
                 "rollout.engine=vllm loads whole weights into the engine; model.lora trains "
@@ -486,15 +465,24 @@ class Config(_Section):
 def _algo_problems(a: AlgoConfig) -> list[str]:
     """Combinations of ``algo`` keys that would silently do nothing or fail mid-run."""
     problems = []
-    if a.kl_in_reward and a.name not in TOKEN_REWARD_ALGOS:
-        problems.append(
-            f"algo.kl_in_reward needs per-token rewards ({', '.join(sorted(TOKEN_REWARD_ALGOS))}); "
-            f"for {a.name} put the KL in the loss (kl_in_reward: false)"
-        )
     if a.kl_target is not None and not (a.kl_in_reward and a.kl_coef > 0):
         problems.append("algo.kl_target adapts the KL in the reward: set algo.kl_in_reward: true and algo.kl_coef > 0")
-    if a.dual_clip is not None and a.name == "gspo":
-        problems.append("algo.dual_clip applies to token ratios; gspo clips one ratio per sequence")
     if a.label_smoothing > 0 and a.dpo_kind in ("ipo", "hinge"):
         problems.append(f"algo.label_smoothing is for dpo_kind sigmoid or robust, not {a.dpo_kind}")
+    return problems
+
+
+def _reward_name_problems(cfg: Config) -> list[str]:
+    """Reward functions whose name (``name``, else the function's name in ``fn``) is a
+    segment that metric keys reserve (``rltune.metrics.keys``): a statistic of the total
+    (``mean``, ``std``, ``errors``, ...), or a reward the runtime adds itself to this run
+    (``env`` with an environment, ``overlong`` with ``algo.overlong_buffer``)."""
+    added = {ENV_REWARD} if cfg.env.name is not None else set()
+    added |= {OVERLONG_REWARD} if cfg.algo.overlong_buffer > 0 else set()
+    problems = []
+    for i, entry in enumerate(cfg.reward):
+        name = entry.name if entry.name is not None else entry.fn.rpartition(":")[2].strip()
+        problem = reward_name_problem(name, runtime_rewards=added)
+        if problem is not None:
+            problems.append(f"reward[{i}] ({entry.fn}): {problem}; give it another `name:`")
     return problems

@@ -14,13 +14,13 @@ A key is ``/``-separated segments. The families:
 - the fixed names below (``kl``, ``length/mean``, ``groups/kept_frac``, ...).
 
 A reward function's name is a segment of these keys, so it may not be one of
-:data:`REWARD_STATS` nor one of the rewards the runtime adds itself
+:data:`REWARD_STATS` nor one of the rewards the runtime adds itself to the run
 (:data:`RUNTIME_REWARDS`), and may not contain ``/`` (:func:`reward_name_problem`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 SEP = "/"
 
@@ -55,18 +55,20 @@ def reward_errors_key(name: str) -> str:
     return f"{REWARD_ERRORS}{SEP}{name}"
 
 
-def reward_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot name a reward function, or None when it can."""
+def reward_name_problem(name: str, *, runtime_rewards: Collection[str] = RUNTIME_REWARDS) -> str | None:
+    """Why ``name`` cannot name a reward function, or None when it can. ``runtime_rewards``:
+    the rewards of :data:`RUNTIME_REWARDS` the run adds itself (a run without an
+    environment, say, adds no ``env``)."""
     if not name:
         return "a reward function's name must not be empty"
     if SEP in name:
-        return f"{name!r} contains {SEP!r}, which separates the segments of metric keys"
+        return f"the name {name!r} contains {SEP!r}, which separates the segments of metric keys"
     if name in REWARD_STATS:
-        return (f"{name!r} is reserved: {reward_key(name)} is a statistic of the combined reward "
-                f"(reserved: {', '.join(sorted(RESERVED_REWARD_NAMES))})")
-    if name in RUNTIME_REWARDS:
-        return (f"{name!r} is reserved for the reward the runtime adds itself "
-                f"(reserved: {', '.join(sorted(RESERVED_REWARD_NAMES))})")
+        return (f"the name {name!r} is reserved: {reward_key(name)} is a statistic of the combined "
+                f"reward ({', '.join(sorted(REWARD_STATS))} are)")
+    if name in runtime_rewards:
+        return (f"the name {name!r} is reserved: this run adds a reward of that name itself "
+                f"({', '.join(sorted(RUNTIME_REWARDS))} are the runtime's own)")
     return None
 
 

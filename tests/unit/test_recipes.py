@@ -1,4 +1,5 @@
-"""Every shipped recipe loads and validates against the schema."""
+"""Every shipped recipe loads, validates against the schema and passes its algorithm's
+checks in the registry."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rltune.algos import ALGORITHMS, config_problems
 from rltune.config import load_config
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
@@ -19,3 +21,4 @@ def test_there_are_recipes():
 def test_recipe_loads(path: Path):
     cfg = load_config(path)
     assert cfg.name == path.stem
+    assert config_problems(ALGORITHMS[cfg.algo.name], cfg) == []

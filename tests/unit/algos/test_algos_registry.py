@@ -7,19 +7,65 @@ import pathlib
 import pytest
 
 import rltune.algos as algos
-from rltune.algos import ALGORITHMS, Algorithm, group_advantages, ppo_policy_loss, sft_loss
+from rltune.algos import ALGORITHMS, Algorithm, config_problems, group_advantages, ppo_policy_loss, sft_loss
 from rltune.config.schema import AlgoConfig
 
 
-def test_every_algorithm_is_registered_under_its_name_and_config_sets_agree():
-    from rltune.config.schema import ALGO_PRESETS, GROUP_BASELINE_ALGOS, ONLINE_ALGOS, TOKEN_REWARD_ALGOS
+def test_every_algorithm_is_registered_under_its_name():
+    from rltune.config.schema import ALGO_PRESETS
 
     for key, algo in ALGORITHMS.items():
         assert algo.name == key
-    # the config's load-time checks name built-in algorithms; they must say what the registry says
-    assert ONLINE_ALGOS == {k for k, a in ALGORITHMS.items() if a.online}
-    assert GROUP_BASELINE_ALGOS | TOKEN_REWARD_ALGOS | set(ALGO_PRESETS) <= set(ALGORITHMS)
+    assert set(ALGO_PRESETS) <= set(ALGORITHMS)
     assert AlgoConfig.model_fields["name"].default in ALGORITHMS
+
+
+def test_what_each_algorithm_is_as_the_papers_say():
+    def having(trait: str) -> set[str]:
+        return {k for k, a in ALGORITHMS.items() if getattr(a, trait)}
+
+    assert having("online") == {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"}
+    assert having("group_baseline") == having("online") - {"ppo", "reinforce_pp"}
+    assert having("token_rewards") == {"ppo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert having("sequence_ratio") == {"gspo"}
+    assert having("pairs") == {"dpo", "simpo", "reward_model"}
+
+
+def problems(*overrides: str) -> list[str]:
+    from rltune.config import load_config
+
+    cfg = load_config(None, list(overrides))
+    return config_problems(ALGORITHMS[cfg.algo.name], cfg)
+
+
+REWARD = "reward=[{fn: builtin:exact_numeric}]"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["algo.name=grpo"], "algo.name=grpo needs at least one entry in `reward` (or an `env` whose steps give rewards)"),
+        (["algo.name=rloo", "algo.group_size=1", REWARD], "algo.group_size must be >= 2 for rloo (the group is the baseline)"),
+        (["algo.name=sft", "runtime.max_staleness=1", "algo.importance_correction=token-truncate"],
+         "runtime.max_staleness is for algorithms that generate; sft does not"),
+        (["algo.name=grpo", "algo.kl_coef=0.1", "algo.kl_in_reward=true", REWARD],
+         "algo.kl_in_reward needs per-token rewards (ppo, reinforce_pp, reinforce_pp_baseline); "
+         "for grpo put the KL in the loss (kl_in_reward: false)"),
+        (["algo.name=gspo", "algo.dual_clip=3", REWARD],
+         "algo.dual_clip applies to token ratios; gspo clips one ratio per sequence"),
+        (["algo.name=gspo", "algo.aggregation=token-mean", REWARD],
+         "algo.name=gspo averages one ratio per sequence; algo.aggregation must be seq-mean-token-mean, not token-mean"),
+    ],
+)
+def test_the_registry_names_what_its_algorithm_cannot_run_with(overrides, expected):
+    assert problems(*overrides) == [expected]
+
+
+def test_what_an_algorithm_can_run_with_has_no_problem():
+    assert problems("algo.name=ppo", "algo.group_size=1", "algo.kl_coef=0.1", "algo.kl_in_reward=true", REWARD) == []
+    assert problems("algo.name=gspo", REWARD) == []  # its preset's aggregation
+    assert problems("algo.name=dpo", "algo.group_size=1") == []  # offline: no reward, no group
+    assert problems("algo.name=grpo", "env.name=builtin:tools") == []  # the environment's rewards
 
 
 def test_grpo_and_sft_entries():

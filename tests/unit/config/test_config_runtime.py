@@ -1,4 +1,5 @@
-"""``runtime.max_staleness`` is checked against the algorithm and its loss."""
+"""``runtime.max_staleness`` is checked against the loss (and against the algorithm by the
+registry: ``tests/unit/algos/test_algos_registry.py``)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,6 @@ def test_staleness_needs_importance_correction() -> None:
         Config(reward=REWARD, runtime={"max_staleness": 1})
     ok = Config(reward=REWARD, runtime={"max_staleness": 2}, algo={"importance_correction": "token-truncate"})
     assert ok.runtime.max_staleness == 2
-
-
-def test_staleness_is_for_algorithms_that_generate() -> None:
-    with pytest.raises(ValidationError, match="runtime.max_staleness is for algorithms that generate; sft does not"):
-        Config(algo={"name": "sft", "importance_correction": "token-truncate"}, runtime={"max_staleness": 1})
 
 
 def test_staleness_is_not_negative() -> None:

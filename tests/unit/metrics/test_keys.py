@@ -46,7 +46,13 @@ def test_held_out_scores_and_their_labels() -> None:
 @pytest.mark.parametrize("name", sorted(keys.RESERVED_REWARD_NAMES))
 def test_a_reserved_name_is_named_as_such(name: str) -> None:
     problem = keys.reward_name_problem(name)
-    assert problem is not None and problem.startswith(f"{name!r} is reserved")
+    assert problem is not None and problem.startswith(f"the name {name!r} is reserved")
+
+
+@pytest.mark.parametrize("name", sorted(keys.RUNTIME_REWARDS))
+def test_a_runtime_reward_name_is_free_in_a_run_that_does_not_add_it(name: str) -> None:
+    assert keys.reward_name_problem(name, runtime_rewards=()) is None
+    assert keys.reward_name_problem(name, runtime_rewards={name}) is not None
 
 
 @pytest.mark.parametrize(("name", "fragment"), [("", "must not be empty"), ("a/b", "contains '/'")])
