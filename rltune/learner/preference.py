@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
-from rltune.algos import bradley_terry_loss, dpo_loss, masked_mean, simpo_loss
+from rltune.algos import ALGORITHMS, bradley_terry_loss, dpo_loss, masked_mean, simpo_loss
 from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
@@ -192,18 +192,44 @@ class PreferenceMethod:
     objective: Callable[[AlgoConfig], Objective]
     rewards: Callable[[AlgoConfig], RowRewards]
     needs_reference: bool
-    """It compares against the frozen reference's cached log-probs."""
+    """It compares against the frozen reference's cached log-probs (the registry entry's
+    ``needs_reference``)."""
     scores: bool
     """It trains a reward model (a sequence scorer), not the causal LM."""
 
 
-PREFERENCE_METHODS: dict[str, PreferenceMethod] = {
-    "dpo": PreferenceMethod(dpo_objective, dpo_rewards, needs_reference=True, scores=False),
-    "simpo": PreferenceMethod(simpo_objective, simpo_rewards, needs_reference=False, scores=False),
-    "reward_model": PreferenceMethod(
-        reward_model_objective, score_rewards, needs_reference=False, scores=True
-    ),
+_BY_LOSS: dict[Callable, tuple[Callable[[AlgoConfig], Objective], Callable[[AlgoConfig], RowRewards], bool]] = {
+    dpo_loss: (dpo_objective, dpo_rewards, False),
+    simpo_loss: (simpo_objective, simpo_rewards, False),
+    bradley_terry_loss: (reward_model_objective, score_rewards, True),
 }
+"""The learner's side of each preference loss of the registry: (objective, implied
+rewards, trains a scorer)."""
+
+
+class _PreferenceMethods(Mapping[str, PreferenceMethod]):
+    """``algo.name`` -> :class:`PreferenceMethod` for every entry of the registry that
+    learns from pairs (``Algorithm.pairs``), read from the registry at each lookup, so
+    which algorithms are preference methods is said there only."""
+
+    def __getitem__(self, name: str) -> PreferenceMethod:
+        algorithm = ALGORITHMS.get(name)
+        if algorithm is None or not algorithm.pairs:
+            raise KeyError(name)
+        if algorithm.loss not in _BY_LOSS:
+            raise ValueError(f"algo.name={name!r} learns from pairs with {algorithm.loss.__name__}, which "
+                             f"has no preference objective here; known losses: {[f.__name__ for f in _BY_LOSS]}")
+        objective, rewards, scores = _BY_LOSS[algorithm.loss]
+        return PreferenceMethod(objective, rewards, needs_reference=algorithm.needs_reference, scores=scores)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, algorithm in ALGORITHMS.items() if algorithm.pairs])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+PREFERENCE_METHODS: Mapping[str, PreferenceMethod] = _PreferenceMethods()
 
 
 def preference_method(name: str) -> PreferenceMethod:

@@ -159,6 +159,21 @@ def test_dpo_without_reference_says_how_to_get_it(tiny_model, pairs) -> None:
         preference_method("grpo")
 
 
+def test_the_preference_methods_are_the_registrys_entries_that_learn_from_pairs(monkeypatch) -> None:
+    from rltune.algos import ALGORITHMS, dpo_loss, sft_loss
+    from rltune.algos.registry import offline_algorithm
+
+    assert sorted(pref.PREFERENCE_METHODS) == sorted(k for k, a in ALGORITHMS.items() if a.pairs)
+    assert [preference_method(n).needs_reference for n in ("dpo", "simpo", "reward_model")] == [True, False, False]
+    # an entry registered later is a preference method at once, by its loss
+    monkeypatch.setitem(ALGORITHMS, "dpo_again", offline_algorithm("dpo_again", dpo_loss, needs_reference=True, pairs=True))
+    assert "dpo_again" in pref.PREFERENCE_METHODS
+    assert preference_method("dpo_again") == preference_method("dpo")
+    monkeypatch.setitem(ALGORITHMS, "odd_pairs", offline_algorithm("odd_pairs", sft_loss, pairs=True))
+    with pytest.raises(ValueError, match="learns from pairs with sft_loss, which has no preference objective"):
+        preference_method("odd_pairs")
+
+
 # ---------------------------------------------------------------- micro-batch invariance
 
 # Tolerances come from fp32_bounds.py (the derivation is there): gradients within 4 N u A
