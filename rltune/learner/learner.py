@@ -64,7 +64,7 @@ class LocalLearner:
         """One optimizer step on ``batch``; returns the step's metrics, typed (means
         weighted by each micro-batch's ``objective.metric_weight``)."""
         batch = self.parallelism.place(batch)
-        micro = split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit) if len(batch) else []
+        micro = split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit)
         plan = self.parallelism.agree(len(batch), len(micro), self.objective.denominator(batch))
         self.train_module.train()
         agg = Aggregator()

@@ -14,19 +14,27 @@ def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[Tr
     micro-batch is trimmed of all-padding columns.
 
     ``unit`` consecutive rows (``unit * k .. unit * k + unit - 1``) always travel together,
-    in their order: a loss over pairs (chosen, rejected) needs both in one forward."""
+    in their order: a loss over pairs (chosen, rejected) needs both in one forward. An
+    empty batch gives no micro-batch. The lengths come to the host in one transfer, and
+    the split is decided there."""
     if len(batch) % unit:
         raise ValueError(f"split_by_tokens: {len(batch)} rows do not split into units of {unit}")
-    prompt_lens = batch.attention_mask[:, : batch.prompt_len].sum(dim=1).view(-1, unit).amax(1)
-    comp_lens = batch.attention_mask[:, batch.prompt_len :].sum(dim=1).view(-1, unit).amax(1)
-    order = torch.argsort(prompt_lens + comp_lens, descending=True, stable=True)
-    if len(batch) * int(prompt_lens.max() + comp_lens.max()) <= budget:
+    if not len(batch):
+        return []
+    lengths = torch.stack([
+        batch.attention_mask[:, : batch.prompt_len].sum(dim=1).view(-1, unit).amax(1),
+        batch.attention_mask[:, batch.prompt_len :].sum(dim=1).view(-1, unit).amax(1),
+    ])
+    prompt_lens, comp_lens = lengths.tolist()
+    # longest first; equal lengths keep their order
+    order = sorted(range(len(prompt_lens)), key=lambda k: -(prompt_lens[k] + comp_lens[k]))
+    if len(batch) * (max(prompt_lens) + max(comp_lens)) <= budget:
         return [batch.trim()]
     chunks: list[list[int]] = []
     current: list[int] = []
     max_p = max_c = 0
-    for k in order.tolist():
-        p, c = int(prompt_lens[k]), int(comp_lens[k])
+    for k in order:
+        p, c = prompt_lens[k], comp_lens[k]
         new_p, new_c = max(max_p, p), max(max_c, c)
         if current and (len(current) + unit) * (new_p + new_c) > budget:
             chunks.append(current)
@@ -34,4 +42,5 @@ def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[Tr
         current.extend(range(k * unit, k * unit + unit))
         max_p, max_c = new_p, new_c
     chunks.append(current)
-    return [batch.select(torch.tensor(rows)).trim() for rows in chunks]
+    device = batch.input_ids.device
+    return [batch.select(torch.tensor(rows, device=device)).trim() for rows in chunks]

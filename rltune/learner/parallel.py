@@ -163,7 +163,8 @@ def agree_over_ranks(rows: int, forwards: int, denominator: torch.Tensor | None,
     one host sync of the plan: they decide how many forwards run. ``lockstep``: every
     rank runs as many forwards as the busiest rank (FSDP2 gathers parameters in each)."""
     world = dist.get_world_size()
-    mine = torch.tensor([rows, forwards, 0.0], dtype=torch.float64, device=device)
+    mine = torch.zeros(3, dtype=torch.float64, device=device)
+    mine[0], mine[1] = rows, forwards  # filled on the device: no copy from the host
     if denominator is not None:
         mine[2] = denominator.detach().to(device=device, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
