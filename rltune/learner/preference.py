@@ -41,6 +41,7 @@ from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
 from rltune.learner.objectives import Objective, through_forward
+from rltune.metrics import keys
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
 from rltune.models.safetensors_io import open_tensors
 from rltune.models.reward_model import sequence_scores
@@ -466,6 +467,6 @@ def evaluate_pairs(
             chosen, rejected = chosen_rejected(rewards(out, batch).float())
             margins[torch.tensor(rows)] = (chosen - rejected).cpu()
     return {
-        "eval/pref/accuracy": float((margins > 0).float().mean()),
-        "eval/pref/margin": float(margins.mean()),
+        keys.eval_key(keys.PREF_ACCURACY): float((margins > 0).float().mean()),
+        keys.eval_key(keys.PREF_MARGIN): float(margins.mean()),
     }

@@ -20,6 +20,8 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from rltune.metrics import keys
+
 
 class JsonlWriter:
     """Appends one JSON object per line, flushed per write so a crash loses nothing
@@ -110,17 +112,17 @@ def format_stats(metrics: dict[str, float]) -> str:
     (2 timed out)``); the first message of each kind is printed above the bar."""
     parts = []
     for label, key, fmt in (
-        ("reward", "reward/mean", "{:.3f}"),
-        ("kl", "kl", "{:.4f}"),
-        ("loss", "loss", "{:.4f}"),
+        ("reward", keys.REWARD_MEAN, "{:.3f}"),
+        ("kl", keys.KL, "{:.4f}"),
+        ("loss", keys.LOSS, "{:.4f}"),
     ):
         value = metrics.get(key)
         parts.append(f"{label} {fmt.format(value) if value is not None and math.isfinite(value) else '-'}")
-        if key == "reward/mean" and metrics.get("reward/errors"):
-            timeouts = metrics.get("reward/timeouts")
-            parts.append(f"errors {metrics['reward/errors']:.0f}" + (
+        if key == keys.REWARD_MEAN and metrics.get(keys.REWARD_ERRORS):
+            timeouts = metrics.get(keys.REWARD_TIMEOUTS)
+            parts.append(f"errors {metrics[keys.REWARD_ERRORS]:.0f}" + (
                 f" ({timeouts:.0f} timed out)" if timeouts else ""))
-    seconds = metrics.get("time/step")
+    seconds = metrics.get(keys.TIME_STEP)
     parts.append(f"{seconds:.2f} s/step" if seconds is not None else "- s/step")
     return "  ".join(parts)
 
