@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # CPU torch pinned for this machine and CI; the package itself accepts a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup browser demo test test-slow test-vllm clean
+.PHONY: setup browser bubblewrap demo test test-slow test-vllm clean
 
 $(BIN)/rltune: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,13 +26,22 @@ browser:
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
 	  echo "note: chromium could not be installed; the dashboard's browser tests will skip"
 
+# Debian's bubblewrap, the sandbox's first isolation mechanism, which its containment tests
+# run under; installed when missing and this user may, else those tests skip and say why
+# (under CI=true they fail: a green CI run has tested the sandbox).
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+	  apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1) || \
+	  echo "note: bubblewrap could not be installed; the sandbox's bwrap tests will skip"
+
 # SFT warm-up of the built-in tiny model, then GRPO; prints held-out accuracy before and after.
 # A second `make demo` moves the previous runs aside (runs/NAME.old-N) instead of refusing.
 demo: setup
 	$(BIN)/rltune train recipes/arith-sft.yaml checkpoint.overwrite=true
 	$(BIN)/rltune train recipes/arith-grpo.yaml checkpoint.overwrite=true
 
-test: setup browser
+test: setup browser bubblewrap
 	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: setup

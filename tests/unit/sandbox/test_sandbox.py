@@ -2,13 +2,14 @@
 test runner and the solution server.
 
 Namespaced mechanisms (bwrap, unshare) are parametrized and skipped, with the reason,
-where they do not work. ``rlimits-only`` is forced where needed; as root it drops to a
+where they do not work, or failed under CI (``conftest.py``). ``rlimits-only`` is forced where needed; as root it drops to a
 private uid, so it needs an interpreter any user can reach (``/usr/bin/python3``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -36,16 +37,13 @@ REPO = Path(__file__).resolve().parents[3]
 SYSTEM_PYTHON = "/usr/bin/python3"
 SMALL = Limits(cpu_s=1, wall_s=5, memory_mb=256, file_mb=1, processes=8,
                output_bytes=4096, disk_mb=8)
+# The CPU-limit cases: a wall clock no busy machine reaches before 2 s of CPU (the hard
+# limit), so the limit that ends them is the CPU's whatever the load.
+CPU_BOUND = dataclasses.replace(SMALL, wall_s=120)
 IS_ROOT = os.geteuid() == 0
 
 
-def _mechanism(name: str) -> pytest.param:
-    reason = unavailable(name)  # type: ignore[arg-type]
-    return pytest.param(name, marks=pytest.mark.skipif(reason is not None,
-                                                       reason=f"{name}: {reason}"), id=name)
-
-
-NAMESPACED = [_mechanism("bwrap"), _mechanism("unshare")]
+NAMESPACED = ["bwrap", "unshare"]  # skipped, or failed under CI, where one does not work (conftest)
 
 needs_system_python = pytest.mark.skipif(
     not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON}")
@@ -150,17 +148,19 @@ def test_a_broken_sandbox_start_is_a_sandbox_error(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("mech", NAMESPACED)
 def test_cpu_limit(mech: str) -> None:
-    r = run_python("while True: pass", limits=SMALL, mechanism=mech)
+    r = run_python("while True: pass", limits=CPU_BOUND, mechanism=mech)
     assert (r.exit_code, r.limit_hit, r.timed_out) == (-24, "cpu", True)  # SIGXCPU
-    assert 0.9 < r.cpu_seconds < 2.1 and r.seconds < 4  # type: ignore[operator]
+    assert 0.9 < r.cpu_seconds < 2.1  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("mech", NAMESPACED)
 def test_cpu_limit_holds_when_sigxcpu_is_ignored(mech: str) -> None:
     code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
-    r = run_python(code, limits=SMALL, mechanism=mech)
+    r = run_python(code, limits=CPU_BOUND, mechanism=mech)
     assert (r.exit_code, r.limit_hit) == (-9, "cpu")  # the hard limit, one second later
-    assert 1.9 < r.cpu_seconds < 3.1  # type: ignore[operator]
+    # Past the 1 s soft limit SIGXCPU would have ended (exit -24): ran on to the 2 s hard
+    # limit, which a loaded machine's CPU accounting reads a little short of (seen: 1.87).
+    assert 1.5 < r.cpu_seconds < 3.1  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("mech", NAMESPACED)
@@ -266,7 +266,7 @@ def test_rlimits_only_as_root_runs_as_a_private_uid_with_limits() -> None:
             "            import time; time.sleep(30); os._exit(0)\n        n += 1\n"
             "except OSError:\n    print(n)")
     assert rlimits_only(code, limits=SMALL).stdout == "7\n"
-    assert rlimits_only("while True: pass", limits=SMALL).limit_hit == "cpu"
+    assert rlimits_only("while True: pass", limits=CPU_BOUND).limit_hit == "cpu"
     assert rlimits_only("import time; time.sleep(9)", limits=Limits(wall_s=1)).limit_hit \
         == "wall"
     # The fallback isolates no file reads: a world-readable host file is readable there
@@ -324,7 +324,7 @@ def _readable_copy_of_the_sandbox() -> Iterator[str]:
 
 @needs_system_python
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to start a process as nobody")
-@pytest.mark.parametrize("mech", [_mechanism("bwrap"), "rlimits-only"])
+@pytest.mark.parametrize("mech", ["bwrap", "rlimits-only"])
 def test_as_a_non_root_user(mech: str) -> None:
     """The same code run by an ordinary user (nobody): bwrap in a user namespace, or the
     rlimits-only fallback with the process limit counted on top of the user's tasks."""
