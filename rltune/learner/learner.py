@@ -13,6 +13,7 @@ from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
 from rltune.learner.parallel import NoParallelism, Parallelism
+from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Histogram, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
 
@@ -80,10 +81,10 @@ class LocalLearner:
                 load = mb_load if load is None else load + mb_load
         # a loss, and each named part of it (``loss/...``), is the sum of its micro-batch
         # parts; across steps and updates it is averaged
-        measured = {k: Mean(m.value) if k.startswith("loss/") and isinstance(m, Sum) else m
+        measured = {k: Mean(m.value) if keys.is_loss_part_key(k) and isinstance(m, Sum) else m
                     for k, m in agg.result().items()}
-        measured["loss"] = Mean(float(total_loss))
-        measured["tokens"] = Sum(float(batch.loss_mask.sum()))
+        measured[keys.LOSS] = Mean(float(total_loss))
+        measured[keys.TOKENS] = Sum(float(batch.loss_mask.sum()))
         applied = self._apply_gradients()  # the same on every rank: not combined
         result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:
@@ -170,8 +171,8 @@ class LocalLearner:
                 "the rewards and data for extreme values."
             )
         return {
-            "grad_norm": Mean(grad_norm),
-            "lr": Last(lr),
+            keys.GRAD_NORM: Mean(grad_norm),
+            keys.LR: Last(lr),
             "skipped": Sum(float(not finite)),
             "nonfinite_total": Last(float(self.nonfinite_total)),
         }

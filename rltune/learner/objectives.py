@@ -25,6 +25,7 @@ from rltune.algos import (
 from rltune.algos.registry import ppo_loss_kwargs
 from rltune.config.schema import AlgoConfig
 from rltune.data.records import TrainBatch
+from rltune.metrics import keys
 from rltune.metrics.types import Sum
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
 from rltune.models.value import ValueOutput, value_forward
@@ -132,18 +133,18 @@ def policy_objective(
         )
         metrics.update(correction)
         if kl_in_loss:
-            metrics["loss/policy"] = Sum(total.detach().float())
+            metrics[keys.loss_part_key("policy")] = Sum(total.detach().float())
             kl = kl_penalty(out.logprobs, mb.ref_logprobs, kind=cfg.kl_kind)
             kl_loss = aggregate_loss(
                 kl, mb.loss_mask, aggregation=cfg.aggregation, denominator=denominator, max_len=max_len
             )
             total = total + cfg.kl_coef * kl_loss
-            metrics["kl"] = masked_mean(kl.detach(), mb.loss_mask)
-            metrics["loss/kl"] = Sum(cfg.kl_coef * kl_loss.detach().float())
-        metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
+            metrics[keys.KL] = masked_mean(kl.detach(), mb.loss_mask)
+            metrics[keys.loss_part_key("kl")] = Sum(cfg.kl_coef * kl_loss.detach().float())
+        metrics[keys.ENTROPY] = masked_mean(out.entropy, mb.loss_mask)
         if mb.behaviour_logprobs is not None:
             # engine vs learner log-prob gap on the same tokens: the rollout mismatch
-            metrics["logprob_mismatch"] = masked_mean(
+            metrics[keys.LOGPROB_MISMATCH] = masked_mean(
                 (out.logprobs.detach() - mb.behaviour_logprobs).abs(), mb.loss_mask
             )
         return total, metrics
@@ -169,7 +170,7 @@ def sft_objective(cfg: AlgoConfig) -> Objective:
 
     def loss(out: LogProbOutput, mb: TrainBatch, denominator: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         loss_, metrics = sft_loss(out.logprobs, mb.loss_mask, denominator=denominator)
-        metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
+        metrics[keys.ENTROPY] = masked_mean(out.entropy, mb.loss_mask)
         return loss_, metrics
 
     return Objective(loss=loss, aggregation="token-mean")

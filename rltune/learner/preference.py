@@ -147,7 +147,7 @@ def _logp_metrics(
     log-probs) and the policy's entropy over the completion tokens."""
     metrics = {"logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
     if out.entropy is not None:
-        metrics["entropy"] = masked_mean(out.entropy, mb.loss_mask)
+        metrics[keys.ENTROPY] = masked_mean(out.entropy, mb.loss_mask)
     return metrics
 
 

@@ -171,6 +171,21 @@ KL = "kl"
 KL_COEF = "kl_coef"
 APPROX_KL = "approx_kl"
 LOSS = "loss"
+
+
+def loss_part_key(part: str) -> str:
+    """``loss/PART``: one term of the loss (``loss/policy``, ``loss/kl``), summed over a
+    step's micro-batches like the loss."""
+    return f"{LOSS}{SEP}{part}"
+
+
+def is_loss_part_key(key: str) -> bool:
+    return key.startswith(LOSS + SEP)
+
+
+TOKENS = "tokens"
+LR = "lr"
+LOGPROB_MISMATCH = "logprob_mismatch"
 ENTROPY = "entropy"
 GRAD_NORM = "grad_norm"
 CLIP_FRAC = "clip_frac"
