@@ -15,9 +15,11 @@ from rltune.runtime.loop import train
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
-HANG_S = 120
+HANG_S = 600
 """How long a hung call sleeps: a run that waited for one, at any step, would take this
-long at least (the run itself takes ~8 s here, ~25 s on a machine 3x slower)."""
+long at least. The run itself takes ~8 s here with threads, ~25 s on a machine 3x slower;
+with worker processes, which restart after every killed call (a fresh interpreter each),
+2-3 min on two busy cores. A hung thread sleeps on as a daemon, a hung worker is killed."""
 
 TIMEOUT_S = 0.5
 WORKERS = 4
