@@ -19,6 +19,7 @@ import torch
 
 from rltune.algos import overlong_penalty
 from rltune.data.records import Prompt
+from rltune.rewards.boxed import last_boxed
 from rltune.rewards.contract import verifier
 from rltune.rewards.math_verify import math_answer as math_answer  # `builtin:math_answer`
 
@@ -48,7 +49,6 @@ _NUMBER = re.compile(
     rf"{_SIGN}(?:(?:\d{{1,3}}(?:,\d{{3}})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)",
     re.ASCII,
 )
-_BOXED = "\\boxed{"
 
 
 @verifier
@@ -61,10 +61,11 @@ def exact_numeric(
 ) -> float | None:
     """1.0 if the completion's final number equals ``answer``, else 0.0.
 
-    The final number is the last number inside the last ``\\boxed{...}`` when the
-    completion has one (a ``\\boxed{`` without its closing brace is ignored), otherwise the
-    last number in the whole completion. Numbers may carry a sign, decimals and thousands
-    commas: ``"1,234.50"`` reads as 1234.5. Fractions and scientific notation are not parsed.
+    The final number is the last number inside the last closed ``\\boxed{...}`` when the
+    completion has one (:func:`rltune.rewards.boxed.last_boxed`: a ``\\boxed{`` without its
+    closing brace is skipped), otherwise the last number in the whole completion. Numbers may
+    carry a sign, decimals and thousands commas: ``"1,234.50"`` reads as 1234.5. Fractions
+    and scientific notation are not parsed.
     The comparison is exact in decimal: ``"3.0"`` equals ``3``, ``"0.30000001"`` does not
     equal ``0.3``.
 
@@ -72,7 +73,7 @@ def exact_numeric(
     ``answer`` raises ValueError (a data problem: the sample is not scored).
     """
     expected = _parse_answer(answer, prompt_id=prompt.id)
-    boxed = _last_boxed(completion)
+    boxed = last_boxed(completion)
     region = completion if boxed is None else boxed
     numbers_found = _NUMBER.findall(region)
     if not numbers_found:
@@ -145,20 +146,3 @@ def _to_decimal(text: str) -> Decimal:
         return Decimal(text.replace(",", ""))
     except InvalidOperation as exc:  # unreachable for strings _NUMBER matched
         raise ValueError(f"cannot read {text!r} as a number") from exc
-
-
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}``, braces balanced; None if there is none."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    begin = start + len(_BOXED)
-    depth = 1
-    for end in range(begin, len(text)):
-        if text[end] == "{":
-            depth += 1
-        elif text[end] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:end]
-    return None

@@ -26,6 +26,10 @@ PROMPT = Prompt(id="row-7", text="What is 41 * 2?")
         ("\\boxed{1} wait, \\boxed{2}", 2, 1.0),  # the last box
         ("\\boxed{no number} 5", 5, 0.0),  # a box without a number is a wrong answer
         ("unclosed \\boxed{4 and then 5", 5, 1.0),  # an unclosed box is ignored
+        # an unclosed box is skipped, so the closed one before it is the last box (the same
+        # scanner as math_answer's; exact_numeric's own used to give up and read the 4)
+        ("\\boxed{3} and an unclosed \\boxed{4", 3, 1.0),
+        ("\\boxed {7} ... 9", 7, 1.0),  # a space before the brace is still a box
         ("-3", "-3", 1.0),
         ("x = -3", -3, 1.0),
         ("10-3", 3, 1.0),  # binary minus, not a sign
