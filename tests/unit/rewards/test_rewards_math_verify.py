@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import math_verify.grader as math_verify_grader
 import pytest
 import sympy
 
@@ -61,7 +63,9 @@ EQUIVALENCE_CASES = [
     ("90^{\\circ}", "90", True),
     ("90^\\circ", "45", False),
     ("5\\text{ cm}", "5", True),
-    ("5 \\text{cm}^2", "5", False),  # the unit is not trailing: not stripped
+    # math-verify drops a known unit with its power: "5 square centimetres" is the answer 5
+    # (the sympy reader kept `cm^2`, since it was not the trailing text command)
+    ("5 \\text{cm}^2", "5", True),
     ("12\\mbox{ apples}", "12", True),
     ("\\text{yes}", "yes", True),
     ("\\text{yes}", "no", False),
@@ -109,6 +113,22 @@ EQUIVALENCE_CASES = [
     ("", "0", False),
     ("__import__('os').getcwd()", "1", False),
     ("\\frac{1}", "1", False),
+    # read by math-verify (the sympy reader before it refused all of these)
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1.0 \\\\ 2 \\end{pmatrix}", True),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 2 \\\\ 1 \\end{pmatrix}", False),
+    ("(-\\infty, 1) \\cup (2, \\infty)", "(2, \\infty) \\cup (-\\infty, 1)", True),
+    ("(-\\infty, 1) \\cup (2, \\infty)", "(-\\infty, 1] \\cup (2, \\infty)", False),
+    ("\\binom{5}{2}", "10", True),
+    ("5!", "120", True),
+    ("\\log_2 8", "3", True),
+    ("x \\le 3", "3 \\ge x", True),
+    ("x \\le 3", "x < 3", False),
+    ("3:4", "0.75", True),  # a ratio is a quotient
+    ("\\{3\\}", "3", True),  # a one-element set is its element
+    ("\\{1, 2\\}", "\\{2, 1\\}", True),
+    ("x = 3", "y = 3", False),  # two assignments keep their variables
+    ("i^2", "-1", True),  # `i` is the imaginary unit, and keeps its exponent
+    ("\\$1,234.50", "1234.5", True),
 ]
 
 
@@ -138,21 +158,47 @@ def test_rel_tol_is_respected() -> None:
         "(" * 150 + "1" + ")" * 150,
         "\\frac{" * 60 + "1" + "}{2}" * 60,
         "x" + "+x" * 150,
+        # short, but nested deeper than the parser is allowed: math-verify's ANTLR parser
+        # takes ~5 s on 25 parentheses and ~8 s on 99 (measured), so these must not reach it
+        "(" * 25 + "1" + ")" * 25,
+        "(" * 99 + "1" + ")" * 99,
+        "x^{" * 30 + "2" + "}" * 30,
     ],
 )
 def test_pathological_inputs_are_refused_quickly(pathological: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert answers_equal("x + 1", "1 + x")  # the first call's imports (~0.4 s) are not timed
+    # Not timed: the first call's imports (~0.4 s), and the parser's first reading of
+    # powers and functions (its ANTLR parser builds its lookahead tables as it meets new
+    # shapes: up to 0.6 s cold, measured)
+    assert answers_equal("\\exp(\\exp(x)) + (10^{2})^{3}", "\\exp(\\exp(x)) + 10^6")
     simplified = []
-    monkeypatch.setattr(sympy, "simplify", lambda *args, **kwargs: simplified.append(args))
+    record = lambda *args, **kwargs: simplified.append(args)  # noqa: E731
+    monkeypatch.setattr(sympy, "simplify", record)
+    monkeypatch.setattr(math_verify_grader, "simplify", record)  # the name verify() calls
     start = time.perf_counter()
     assert not answers_equal(pathological, "x^{999} + 1")
     elapsed = time.perf_counter() - start
     # refused by the bounds before anything unbounded runs: never simplify (~7 s for
-    # (x+1)^{999}), never an exact power like 10^(10^10) (which would not finish); these
-    # take at most 0.05 s once imported (0.3 ms..50 ms measured), twenty times under 1 s
+    # (x+1)^{999}), never an exact power like 10^(10^10) (which would not finish), never
+    # the parser on deep nesting (5..8 s); these take at most 0.15 s once warm (0.1 ms
+    # ..140 ms measured), seven times under 1 s
     assert simplified == []
     assert elapsed < 1.0
 
+
+
+def test_deep_nesting_never_reaches_the_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    import math_verify as library
+
+    parsed: list[str] = []
+    real_parse = library.parse
+    monkeypatch.setattr(library, "parse", lambda text, **kw: parsed.append(text) or real_parse(text, **kw))
+    six_deep = "(" * 6 + "1" + ")" * 6  # the deepest the parser is given (~0.25 s warm)
+    assert answers_equal(six_deep, "1.0")
+    assert parsed == ["\\boxed{" + six_deep + "}", "\\boxed{1.0}"]
+    parsed.clear()
+    assert not answers_equal("(" * 7 + "1" + ")" * 7, "1.0")
+    assert not answers_equal("\\sqrt{" * 7 + "2" + "}" * 7, "2^{1/128}")  # equal values
+    assert parsed == []  # the answer is refused first, so the reference is not read either
 
 @pytest.mark.parametrize(
     ("completion", "expected"),
@@ -224,3 +270,20 @@ def test_builtin_math_answer_loads_through_the_loader() -> None:
     prompt = _prompt(answer="\\frac{1}{2}", source="math")
     assert fn(prompt, "thus \\boxed{0.5}", **prompt.meta) == 1.0
     assert fn(prompt, "thus \\boxed{0.6}", **prompt.meta) == 0.0
+
+
+def test_math_answer_scores_in_worker_threads() -> None:
+    # Rewards run in worker threads. math-verify's own timeout calls signal.alarm, which
+    # raises outside the main thread: were it on, every answer read by the library would
+    # fail to parse and score 0.0 here.
+    # The parser reads every case here; the last two are compared by math-verify's verify().
+    cases = [
+        ("\\boxed{0.75}", "\\frac{3}{4}", 1.0),
+        ("\\boxed{\\dfrac{6}{8}}", "\\frac{3}{4}", 1.0),
+        ("\\boxed{0.7}", "\\frac{3}{4}", 0.0),
+        ("so \\boxed{(\\frac{1}{2}, 3)}", "(0.5, 3)", 1.0),
+        ("so \\boxed{x \\le 3}", "3 \\ge x", 1.0),
+    ] * 3
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        scores = list(pool.map(lambda case: math_answer(_prompt(), case[0], answer=case[1]), cases))
+    assert scores == [expected for _, _, expected in cases]
