@@ -9,10 +9,10 @@ retried next time).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rltune.rewards.calls import Call, Outcome, RewardFn, Sample
-from rltune.rewards.executors import Executor, Executors
+from rltune.rewards.executors import Executor
 
 POLL_S = 0.05
 """How often running calls are checked against their timeout."""
@@ -73,15 +73,15 @@ class Round:
     def _group_key(self, rf: RewardFn, i: int) -> str:
         return self.keys[i] if rf.cache else str(i)
 
-    def run(self, executors: Executors) -> list[list[Outcome]]:
-        """Submit every call (a batched function: one call of all its samples), then
-        collect until each is back."""
+    def run(self, executor_for: Callable[[RewardFn], Executor]) -> list[list[Outcome]]:
+        """Submit every call (a batched function: one call of all its samples) to the
+        executor of its function, then collect until each is back."""
         waiting: dict[int, Executor] = {}
         for k, rf in enumerate(self.reward_fns):
             if not self.groups[k]:
                 continue
             firsts = [members[0] for members in self.groups[k].values()]
-            executor = executors.for_fn(rf)
+            executor = executor_for(rf)
             waiting[id(executor)] = executor
             for rows in [firsts] if rf.batched else [[i] for i in firsts]:
                 call = Call(rf, [self.samples[i] for i in rows])

@@ -129,6 +129,11 @@ class LocalScorer:
         """The rewards whose share of 1.0 scores is logged as accuracy."""
         return tuple(f.name for f in self.reward_fns if f.accuracy)
 
+    def step_metrics(self) -> dict[str, float]:
+        """Nothing to report per step beyond :meth:`score`'s statistics (the Scorer
+        protocol's hook; a pool of remote scorers reports its restarts here)."""
+        return {}
+
     def score(self, prompts: Mapping[str, Prompt], rollouts: list[Rollout]) -> ScoreStats:
         """Fill ``rewards``, ``reward``, ``reward_error`` and ``dropped`` of every rollout,
         in place.
@@ -141,7 +146,7 @@ class LocalScorer:
             raise KeyError(f"rollouts refer to prompt ids not passed to score(): {missing[:5]}")
         samples = [Sample(prompts[r.prompt_id], r.text, r.turns) for r in rollouts]
         round_ = Round(self.reward_fns, samples, self.cache)
-        outcomes = round_.run(self.executors)
+        outcomes = round_.run(self.executors.for_fn)
         for i, rollout in enumerate(rollouts):
             fill(rollout, self.reward_fns, [outcomes[k][i] for k in range(len(self.reward_fns))])
         return score_stats(self.reward_fns, rollouts, outcomes, calls=round_.calls, cache_hits=round_.cache_hits)
