@@ -34,7 +34,7 @@ def fill(rollout: Rollout, reward_fns: Sequence[RewardFn], outcomes: Sequence[Ou
     drops = [o.error for o in outcomes if o.dropped]
     episode = rollout.turns is not None or rollout.env_error is not None
     if episode:
-        rollout.rewards["env"] = rollout.env_reward
+        rollout.rewards[keys.ENV_REWARD] = rollout.env_reward
         if rollout.env_error is not None:
             errors.insert(0, rollout.env_error)
     elif not reward_fns:

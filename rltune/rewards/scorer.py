@@ -48,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from rltune.data.records import Prompt, Rollout
+from rltune.metrics import keys
 from rltune.rewards.calls import RewardFn, Sample
 from rltune.rewards.contract import is_batched, is_verifier
 from rltune.rewards.executors import Executors
@@ -77,8 +78,10 @@ def build_reward_fns(
     for config in configs:
         fn = load_reward_fn(config.fn, base_dir=base_dir)
         name = config.name if config.name is not None else _default_name(fn, spec=config.fn)
-        if not name:
-            raise RewardLoadError(f"reward spec {config.fn!r}: `name:` must not be empty")
+        # the config refused reserved names it could see; the function's own name shows here
+        problem = keys.reward_name_problem(name, runtime_rewards=())
+        if problem is not None:
+            raise RewardLoadError(f"reward spec {config.fn!r}: {problem}; give it another `name:`")
         if name in specs_by_name:
             raise RewardLoadError(
                 f"two reward functions are named {name!r} ({specs_by_name[name]!r} and "
