@@ -42,5 +42,8 @@ def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[Tr
         current.extend(range(k * unit, k * unit + unit))
         max_p, max_c = new_p, new_c
     chunks.append(current)
-    device = batch.input_ids.device
-    return [batch.select(torch.tensor(rows, device=device)).trim() for rows in chunks]
+    index = torch.tensor([row for rows in chunks for row in rows], device=batch.input_ids.device)
+    starts = [0]
+    for rows in chunks:
+        starts.append(starts[-1] + len(rows))
+    return [batch.select(index[a:b]).trim() for a, b in zip(starts, starts[1:])]

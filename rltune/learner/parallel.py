@@ -164,7 +164,8 @@ def agree_over_ranks(rows: int, forwards: int, denominator: torch.Tensor | None,
     rank runs as many forwards as the busiest rank (FSDP2 gathers parameters in each)."""
     world = dist.get_world_size()
     mine = torch.zeros(3, dtype=torch.float64, device=device)
-    mine[0], mine[1] = rows, forwards  # filled on the device: no copy from the host
+    mine[0].fill_(rows)  # a fill on the device, not a copy from the host
+    mine[1].fill_(forwards)
     if denominator is not None:
         mine[2] = denominator.detach().to(device=device, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
