@@ -9,6 +9,7 @@ test_learner_group.py); 1e-4 leaves room for that over a few steps."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from rltune.config import load_config  # noqa: E402
 from rltune.models.load import resolve_model  # noqa: E402
+from rltune.runtime.build import build_run as build_with_roles  # noqa: E402
 from rltune.runtime.local import build_run  # noqa: E402
 from rltune.runtime.loop import train  # noqa: E402
 from rltune.runtime.ray.cluster import place  # noqa: E402
-from rltune.runtime.ray.run import RayRoles  # noqa: E402
+from rltune.runtime.ray.roles import RayRoles  # noqa: E402
 
 METHODS = {"dpo": ["algo.beta=0.1", "train.lr=2e-3"], "reward_model": ["train.lr=1e-3"]}
 
@@ -40,10 +42,20 @@ def history(tmp_path: Path, algo: str, mode: str, strategy: str = "ddp") -> list
     placement = place(cfg.runtime.placement, name=f"test-{cfg.name}")
     roles = RayRoles(placement, None, Path(cfg.log.dir) / cfg.name)
     try:
-        return train(build_run(cfg, roles=roles))
+        return train(build_with_roles(cfg, roles))
     finally:
         roles.close()
         placement.remove()
+
+
+def held_out(tmp_path: Path, algo: str, mode: str, step: int) -> dict[str, float]:
+    """The held-out preference metrics the run of ``history`` logged at ``step`` (those
+    before the first step and after the last are in metrics.jsonl, not in the history)."""
+    lines = (tmp_path / mode / f"{algo}-{mode}" / "metrics.jsonl").read_text().splitlines()
+    evals = [m for m in map(json.loads, lines)
+             if m["step"] == step and "eval/pref/accuracy" in m]
+    assert len(evals) == 1, (mode, step, evals)
+    return {k: v for k, v in evals[0].items() if k.startswith("eval/pref/")}
 
 
 @pytest.mark.parametrize(("algo", "strategy"), [
@@ -57,7 +69,10 @@ def test_a_preference_method_trains_on_the_learner_group_as_in_one_process(
     local, ray_run = history(tmp_path, algo, "local"), history(tmp_path, algo, "ray", strategy)
     assert len(local) == len(ray_run) == 6
     assert [m["loss"] for m in ray_run] == pytest.approx([m["loss"] for m in local], rel=1e-4)
-    assert local[0]["loss"] != pytest.approx(local[-1]["loss"], rel=1e-2)  # it trained
+    for mode in ("local", "ray"):  # it learned: held-out accuracy (past chance) and margin rose
+        start, end = held_out(tmp_path, algo, mode, 0), held_out(tmp_path, algo, mode, 6)
+        assert end["eval/pref/accuracy"] > max(start["eval/pref/accuracy"], 0.5), (mode, start, end)
+        assert end["eval/pref/margin"] > start["eval/pref/margin"], (mode, start, end)
     evals = [(i, k) for i, m in enumerate(local) for k in m if k.startswith("eval/pref/")]
     assert {k for _, k in evals} == {"eval/pref/accuracy", "eval/pref/margin"}
     for i, key in evals:
