@@ -96,6 +96,10 @@ class EpisodeGenerator:
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         self.generator.load_weights(version, tensors)
 
+    def step_metrics(self) -> dict[str, float]:
+        """Nothing to report per step (the Generator protocol's hook)."""
+        return {}
+
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0) -> list[Rollout]:
         episodes = [self._start(p, group_offset + g) for g, p in enumerate(prompts) for _ in range(params.n)]
         stop = tuple(dict.fromkeys((*params.stop, CALL_CLOSE)))

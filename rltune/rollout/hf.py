@@ -72,6 +72,10 @@ class HFGenerator:
             self.model.load_state_dict(dict(tensors), strict=False)
         self.version = version
 
+    def step_metrics(self) -> dict[str, float]:
+        """Nothing to report per step (the Generator protocol's hook)."""
+        return {}
+
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0
     ) -> list[Rollout]:

@@ -151,6 +151,10 @@ class VLLMGenerator:
             self.load_buckets([tensors.items()])
         self.version = version
 
+    def step_metrics(self) -> dict[str, float]:
+        """Nothing to report per step (the Generator protocol's hook)."""
+        return {}
+
     def load_buckets(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         """One weight update whose tensors come a bucket at a time (a broadcast): each
         bucket is loaded as it arrives; together they must be the whole model. The

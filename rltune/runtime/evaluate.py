@@ -1,18 +1,63 @@
-"""Held-out evaluation: generate on the eval prompts and score with the run's rewards."""
+"""Held-out evaluation: generate on the eval prompts and score with the run's rewards, or
+(preference methods) score the held-out pairs with the learner's model."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
+from rltune.config.schema import EvalConfig, RolloutConfig
 from rltune.data.records import Prompt, SamplingParams
 from rltune.metrics.types import scalars
 from rltune.runtime.experience import rollout_metrics
+from rltune.runtime.preference import PreferenceParts
+from rltune.runtime.protocols import Generator, Learner, Scorer
+
+
+class Evaluation(Protocol):
+    def __call__(self) -> dict[str, float]:
+        """The held-out metrics (``eval/...``) of the learner's current policy."""
+        ...
+
+
+@dataclass(frozen=True)
+class GeneratedEvaluation:
+    """Generate on ``prompts`` with the run's generator and score with its rewards."""
+
+    generator: Generator
+    scorer: Scorer
+    prompts: list[Prompt]
+    eval: EvalConfig
+    rollout: RolloutConfig
+
+    def __call__(self) -> dict[str, float]:
+        return evaluate(
+            self.generator, self.scorer, self.prompts,
+            max_new_tokens=self.eval.max_new_tokens or self.rollout.max_new_tokens,
+            temperature=self.eval.temperature, batch_size=self.eval.batch_size,
+            max_prompts=self.eval.max_prompts, stop=self.rollout.stop,
+        )
+
+
+@dataclass(frozen=True)
+class PreferenceEvaluation:
+    """Held-out preference metrics of the learner's model: ``parts.model`` (the learner's
+    own module in this process, else the driver's copy) with the learner's newest weights."""
+
+    parts: PreferenceParts
+    learner: Learner
+
+    def __call__(self) -> dict[str, float]:
+        if not self.parts.eval_prompts:
+            return {}
+        self.learner.copy_weights_to(self.parts.model)
+        return self.parts.evaluate(self.parts.model)
 
 
 def evaluate(
-    generator: Any,
-    scorer: Any,
+    generator: Generator,
+    scorer: Scorer,
     prompts: Sequence[Prompt],
     *,
     max_new_tokens: int,
@@ -32,5 +77,5 @@ def evaluate(
         done = generator.generate(part, params, group_offset=start)
         scorer.score({p.id: p for p in part}, done)
         rollouts.extend(done)
-    metrics = scalars(rollout_metrics(rollouts, group_size=1, accuracy=getattr(scorer, "accuracy_names", ())))
+    metrics = scalars(rollout_metrics(rollouts, group_size=1, accuracy=scorer.accuracy_names))
     return {f"eval/{k}": v for k, v in metrics.items()}

@@ -10,12 +10,12 @@ on its last token minus, with ``algo.kl_in_reward``, ``kl_coef`` times the k1 KL
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from rltune.algos import (
+    Algorithm,
     gae,
     kl_penalty,
     kl_shaped_rewards,
@@ -24,12 +24,12 @@ from rltune.algos import (
     masked_whiten,
     reinforce_pp_advantages,
 )
+from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_rollouts
 from rltune.data.records import Rollout, TrainBatch
 from rltune.metrics.types import Histogram, MetricLike
-
-if TYPE_CHECKING:
-    from rltune.runtime.loop import Run
+from rltune.runtime.kl import KLCoefficient
+from rltune.runtime.protocols import Critic, Reference
 
 
 def rewards_tensor(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,53 +50,69 @@ def _masked_batch(rollouts: Sequence[Rollout], valid: torch.Tensor, pad_id: int)
     return batch
 
 
-def make_experience(run: "Run", rollouts: Sequence[Rollout]) -> tuple[TrainBatch, dict[str, float]]:
+def make_experience(
+    rollouts: Sequence[Rollout],
+    *,
+    algorithm: Algorithm,
+    algo: AlgoConfig,
+    pad_id: int,
+    policy_logprobs: Callable[[TrainBatch], torch.Tensor],
+    reference: Reference | None = None,
+    critic: Critic | None = None,
+    kl: KLCoefficient | None = None,
+) -> tuple[TrainBatch, dict[str, float]]:
     """The TrainBatch the learner steps on, and the metrics of making it.
 
     Samples without a reward are left out of every baseline and of the loss (loss-mask 0).
-    Old log-probs are computed by the learner only when the batch is learned more than
-    once (PPO epochs, mini-batches) or the KL enters the reward; otherwise the loss takes
-    the current ones, detached, at no extra cost.
+    Old log-probs (``policy_logprobs``, the learner's) are computed only when the batch is
+    learned more than once (PPO epochs, mini-batches) or the KL enters the reward;
+    otherwise the loss takes the current ones, detached, at no extra cost. ``reference``
+    gives the KL term's log-probs, ``critic`` GAE's values, ``kl`` the coefficient of the
+    KL in the reward (``algo.kl_in_reward``).
     """
-    cfg = run.cfg.algo
     rewards, valid = rewards_tensor(rollouts)
-    batch = _masked_batch(rollouts, valid, run.pad_id)
+    batch = _masked_batch(rollouts, valid, pad_id)
     metrics: dict[str, float] = {}
-    if run.reference_logprobs is not None:
-        batch.ref_logprobs = run.reference_logprobs(batch)
-    if cfg.epochs * cfg.minibatches > 1 or (cfg.kl_in_reward and cfg.kl_coef > 0):
-        batch.old_logprobs = run.learner.logprobs(batch)
-    estimator = run.algorithm.advantage
+    if reference is not None:
+        batch.ref_logprobs = reference.logprobs(batch)
+    if algo.epochs * algo.minibatches > 1 or (algo.kl_in_reward and algo.kl_coef > 0):
+        batch.old_logprobs = policy_logprobs(batch)
+    estimator = algorithm.advantage
     if estimator not in _TOKEN_ESTIMATORS:
-        advantages = estimator(rewards, cfg.group_size, valid=valid, **run.algorithm.advantage_kwargs(cfg))
+        advantages = estimator(rewards, algo.group_size, valid=valid, **algorithm.advantage_kwargs(algo))
         batch.advantages = advantages[:, None].expand_as(batch.loss_mask)
         return batch, metrics
     scores = torch.where(valid, rewards, torch.zeros_like(rewards))
-    if run.algorithm.baseline is not None:
-        scores = run.algorithm.baseline(rewards, cfg.group_size, valid=valid)
-    token_rewards = _token_rewards(run, batch, scores, metrics)
+    if algorithm.baseline is not None:
+        scores = algorithm.baseline(rewards, algo.group_size, valid=valid)
+    token_rewards = _token_rewards(algo, kl, batch, scores, metrics)
     if estimator is gae:
-        batch.values = run.critic.values(batch)
-        advantages, batch.returns = gae(token_rewards, batch.values, batch.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
+        if critic is None:
+            raise ValueError(f"algo.name={algo.name}: GAE needs a critic")
+        batch.values = critic.values(batch)
+        advantages, batch.returns = gae(token_rewards, batch.values, batch.loss_mask, gamma=algo.gamma, lam=algo.lam)
         batch.advantages = masked_whiten(advantages, batch.loss_mask)
     else:
-        batch.advantages = reinforce_pp_advantages(token_rewards, batch.loss_mask, gamma=cfg.gamma)
+        batch.advantages = reinforce_pp_advantages(token_rewards, batch.loss_mask, gamma=algo.gamma)
     return batch, metrics
 
 
-def _token_rewards(run: "Run", batch: TrainBatch, scores: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+def _token_rewards(
+    algo: AlgoConfig, kl: KLCoefficient | None, batch: TrainBatch, scores: torch.Tensor, metrics: dict[str, float]
+) -> torch.Tensor:
     """Each sequence's score on its last token, minus ``kl_coef * k1`` per token when the
     KL is in the reward (``algo.kl_in_reward``)."""
-    cfg = run.cfg.algo
-    if not (cfg.kl_in_reward and cfg.kl_coef > 0):
+    if not (algo.kl_in_reward and algo.kl_coef > 0):
         return last_token_rewards(scores, batch.loss_mask)
-    kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kind="k1")
-    coef = run.kl.coef
-    metrics["kl"] = float(masked_mean(kl, batch.loss_mask))
+    if kl is None:
+        raise ValueError("algo.kl_in_reward needs the run's KL coefficient")
+    penalty = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kind="k1")
+    coef = kl.coef
+    metrics["kl"] = float(masked_mean(penalty, batch.loss_mask))
     metrics["kl_coef"] = coef
     # the adaptive controller targets the KL of a whole sequence (Ziegler et al. 2019)
-    run.kl.observe(float((kl * batch.loss_mask).sum() / batch.loss_mask.any(1).sum().clamp(min=1)), len(batch))
-    return kl_shaped_rewards(scores, kl, batch.loss_mask, kl_coef=coef)
+    kl.observe(float((penalty * batch.loss_mask).sum() / batch.loss_mask.any(1).sum().clamp(min=1)), len(batch))
+    return kl_shaped_rewards(scores, penalty, batch.loss_mask, kl_coef=coef)
 
 
 def rollout_metrics(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -85,33 +86,41 @@ def build_preference_parts(
             context=reference_context,
         )
     objective = method.objective(cfg.algo)
-    rewards = method.rewards(cfg.algo)
-    train_ref = reference.splits["train"] if reference else None
-    eval_ref = reference.splits.get("eval") if reference else None
-    row_of = {p.id: i for i, p in enumerate(train_set.prompts)}
-
-    def collate(prompts: Sequence[Prompt]) -> TrainBatch:
-        ref = None if train_ref is None else train_ref[torch.tensor([row_of[p.id] for p in prompts])]
-        return collate_pairs(prompts, pad_id, ref)
-
-    def evaluate(model_: torch.nn.Module) -> dict[str, float]:
-        if not eval_prompts:
-            return {}
-        return evaluate_pairs(
-            model_, eval_prompts, pad_id, forward=objective.forward, rewards=rewards,
-            budget=budget, ref_logps=eval_ref,
-        )
-
+    evaluate = partial(
+        _evaluate, eval_prompts, pad_id, forward=objective.forward, rewards=method.rewards(cfg.algo),
+        budget=budget, ref_logps=reference.splits.get("eval") if reference else None,
+    )
     return PreferenceParts(
         model=model,
         objective=objective,
         train_prompts=train_set.prompts,
         eval_prompts=eval_prompts,
-        collate=collate,
+        collate=_PairCollate(pad_id, reference.splits["train"] if reference else None,
+                             {p.id: i for i, p in enumerate(train_set.prompts)}),
         evaluate=evaluate,
         reference=reference,
-        data_warnings=_skip_warnings(train_set, eval_set),
+        data_warnings=skip_warnings(train_set, eval_set),
     )
+
+
+@dataclass(frozen=True)
+class _PairCollate:
+    """The interleaved pair batch of ``prompts``, with their cached reference log-probs
+    (``ref``: one row per train pair, ``row_of`` a pair's row) when there are some."""
+
+    pad_id: int
+    ref: torch.Tensor | None
+    row_of: dict[str, int]
+
+    def __call__(self, prompts: Sequence[Prompt]) -> TrainBatch:
+        ref = None if self.ref is None else self.ref[torch.tensor([self.row_of[p.id] for p in prompts])]
+        return collate_pairs(prompts, self.pad_id, ref)
+
+
+def _evaluate(eval_prompts: list[Prompt] | None, pad_id: int, model: torch.nn.Module, **kwargs: Any) -> dict[str, float]:
+    if not eval_prompts:
+        return {}
+    return evaluate_pairs(model, eval_prompts, pad_id, **kwargs)
 
 
 def load_preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
@@ -123,7 +132,8 @@ def load_preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
     return load_model(model_dir, **common)
 
 
-def _skip_warnings(*sets: PromptSet | None) -> list[str]:
+def skip_warnings(*sets: PromptSet | None) -> list[str]:
+    """One console line per data source that had bad rows skipped (``data.on_bad_row: skip``)."""
     return [
         f"data: skipped {s.skipped} bad rows of {s.source}; first: {s.skip_examples[0]}"
         for s in sets if s is not None and s.skipped

@@ -48,40 +48,47 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Protocol
 
 from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.data.records import Prompt, Rollout
 from rltune.metrics.types import Aggregator, Metric, Sum
+from rltune.runtime.clock import StepClock
+from rltune.runtime.protocols import Weights
+
+
+class Collector(Protocol):
+    """What the producer drives (:class:`rltune.runtime.collect.Collector`)."""
+
+    def draw(self, n: int) -> list[Prompt]: ...
+    def collect(self, prompts: list[Prompt], metrics: Aggregator, clock: StepClock, *,
+                draw: Callable[[int], list[Prompt]] | None = None) -> tuple[list[Prompt], list[Rollout]]: ...
+    def load_weights(self, version: int, tensors: Weights | None) -> None: ...
 
 
 class AsyncRollouts:
     """The producer thread and its bounded queue.
 
-    ``collect(prompts_first_draw, metrics, clock) -> (prompts, rollouts)`` is the loop's
-    generate-and-score function (refills included); ``draw(n)`` draws prompts;
-    ``load_weights(version, tensors)`` loads the producer's generator. The sampler
-    behind ``draw`` is touched only under this object's lock, or while :meth:`paused`.
+    ``collector.collect(prompts, metrics, clock, draw=...)`` generates and scores a batch
+    (refills included), ``collector.draw(n)`` draws prompts and
+    ``collector.load_weights(version, tensors)`` loads the producer's generator. The
+    sampler behind ``draw`` is touched only under this object's lock, or while
+    :meth:`paused`.
     """
 
-    def __init__(
-        self, *, max_staleness: int, prompts_per_step: int, draw: Callable[[int], list[Prompt]],
-        collect: Callable[[list[Prompt], Aggregator, Any], tuple[list[Prompt], list[Rollout]]],
-        load_weights: Callable[[int, Any], None], clock: Callable[[], Any], version: int = 0,
-    ) -> None:
+    def __init__(self, *, max_staleness: int, prompts_per_step: int, collector: Collector, version: int = 0) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for rollouts ahead of the learner, got {max_staleness}")
         self.max_staleness = max_staleness
         self._n = prompts_per_step
-        self._draw = draw
-        self._collect, self._load_weights, self._clock = collect, load_weights, clock
+        self._collector = collector
         self._lock = threading.Condition()
         self._queue: deque[QueuedBatch] = deque()
         self._started = 0
         """Batches whose weights the producer has loaded (restored ones included)."""
         self._taken = 0
         """Batches the learner has taken (dropped ones included)."""
-        self._pending: tuple[int, Any] | None = None
+        self._pending: tuple[int, Weights] | None = None
         self._version = version
         self._paused = 0
         self._busy = False
@@ -129,7 +136,7 @@ class AsyncRollouts:
         })
         return item.prompts, item.rollouts, metrics, waited
 
-    def publish(self, version: int, tensors: Any) -> None:
+    def publish(self, version: int, tensors: Weights) -> None:
         """New weights for the producer, loaded before its next batch."""
         with self._lock:
             self._pending = (version, tensors)
@@ -151,7 +158,7 @@ class AsyncRollouts:
     def draw_locked(self, n: int) -> list[Prompt]:
         """Draw ``n`` prompts under the lock (refill rounds of the producer's batch)."""
         with self._lock:
-            return self._draw(n)
+            return self._collector.draw(n)
 
     def load_latest(self) -> None:
         """Load the newest published weights into the producer's generator now (call it
@@ -159,7 +166,7 @@ class AsyncRollouts:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            self._load_weights(*pending)
+            self._collector.load_weights(*pending)
             self._version = pending[0]
 
     def queued(self) -> list[QueuedBatch]:
@@ -218,15 +225,15 @@ class AsyncRollouts:
                 return False
             self._busy = True
             pending, self._pending = self._pending, None
-            prompts = self._draw(self._n)
+            prompts = self._collector.draw(self._n)
         if pending is not None:
-            self._load_weights(*pending)
+            self._collector.load_weights(*pending)
             self._version = pending[0]
         with self._lock:
             self._started += 1
             self._lock.notify_all()
-        metrics, clock = Aggregator(), self._clock()
-        prompts, rollouts = self._collect(prompts, metrics, clock)
+        metrics, clock = Aggregator(), StepClock()
+        prompts, rollouts = self._collector.collect(prompts, metrics, clock, draw=self.draw_locked)
         # the policy that generated the batch, as its rollouts record it
         version = min((r.policy_version for r in rollouts), default=self._version)
         produced = QueuedBatch(prompts, rollouts,

@@ -27,7 +27,7 @@ from rltune.checkpoint.store import (
 )
 
 if TYPE_CHECKING:
-    from rltune.runtime.loop import Run
+    from rltune.runtime.parts import Run
 
 
 def checkpoint_root(run: "Run") -> Path:
@@ -43,33 +43,25 @@ def save(run: "Run") -> Path:
     """Checkpoint ``run`` at its current step (``RUN/checkpoints/step-N``). With rollouts
     ahead of the learner, the producer is held between batches meanwhile: the batches it
     queued, the sampler and the sampling RNG are saved as of one moment, after those batches."""
-    if run.rollouts is None:
-        return _save(run)
-    with run.rollouts.paused():
+    with run.source.paused():
         return _save(run)
 
 
 def _save(run: "Run") -> Path:
-    rng_tensors, rng_meta = rng_to_state(run.state.generators)
-    tensors, meta = _learner_state(run.learner, "")
+    roles, progress = run.roles, run.progress
+    rng_tensors, rng_meta = rng_to_state(progress.streams.generators)
+    tensors, meta = roles.learner.checkpoint_state("")
     tensors["rng"] = rng_tensors
-    meta.update({"step": run.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.sampler.state_dict()})
-    if run.rollouts is not None:
-        tensors["queue"], meta["queue"] = batches_to_state(run.rollouts.queued(), run.train_prompts)
-    if run.critic is not None:
-        critic_tensors, critic_meta = _learner_state(run.critic, "critic_")
+    meta.update({"step": progress.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.data.sampler.state_dict()})
+    if run.source.max_ahead:
+        tensors["queue"], meta["queue"] = batches_to_state(run.source.queued(), run.data.train_prompts)
+    if roles.critic is not None:
+        critic_tensors, critic_meta = roles.critic.checkpoint_state("critic_")
         tensors.update(critic_tensors)
         meta.update(critic_meta)
-    if run.kl is not None:
-        meta["kl_coef"] = run.kl.coef
-    return save_checkpoint(checkpoint_root(run), run.step, tensors=tensors, meta=meta, keep=run.cfg.checkpoint.keep)
-
-
-def _learner_state(learner, prefix: str) -> tuple[dict, dict]:
-    """A learner's checkpoint part: its own ``checkpoint_state(prefix)`` when it has one (a
-    learner whose model lives in other processes), else :func:`learner_state`."""
-    own = getattr(learner, "checkpoint_state", None)
-    return own(prefix) if own is not None else learner_state(learner, prefix)
+    if roles.kl is not None:
+        meta["kl_coef"] = roles.kl.coef
+    return save_checkpoint(checkpoint_root(run), progress.step, tensors=tensors, meta=meta, keep=run.cfg.checkpoint.keep)
 
 
 def learner_state(learner, prefix: str) -> tuple[dict, dict]:
@@ -150,25 +142,22 @@ def _set_aside_newer(root: Path, path: Path, step: int) -> tuple[Skipped, ...]:
 
 
 def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
-    learner = run.learner
-    _apply_learner(learner, tensors, meta, path, "")
-    if run.critic is not None:
+    roles, progress = run.roles, run.progress
+    roles.learner.load_checkpoint_state(tensors, meta, path, "")
+    if roles.critic is not None:
         if "critic_model" not in tensors:
             raise CheckpointError(f"{path} holds no critic; it was not written by a run of algo {run.cfg.algo.name!r}")
-        _apply_learner(run.critic, tensors, meta, path, "critic_")
-    if run.kl is not None:
-        run.kl.coef = float(meta["kl_coef"])
-    rng_from_state(tensors["rng"], meta["rng"], run.state.generators)
-    restored = getattr(run.state, "restored", None)
-    if restored is not None:  # streams that live in other processes take their states back
-        restored()
+        roles.critic.load_checkpoint_state(tensors, meta, path, "critic_")
+    if roles.kl is not None:
+        roles.kl.coef = float(meta["kl_coef"])
+    rng_from_state(tensors["rng"], meta["rng"], progress.streams.generators)
+    progress.streams.restored()  # streams that live in other processes take their states back
     try:
-        run.sampler.load_state_dict(meta["sampler"])
+        run.data.sampler.load_state_dict(meta["sampler"])
     except ValueError as err:  # another seed or dataset: the user's to fix, shown without a traceback
         raise CheckpointError(f"{path}: {err}") from None
-    run.step = int(meta["step"])
-    if run.generator is not None:
-        run.generator.load_weights(learner.version, None if run.shared_weights else learner.export_weights())
+    progress.step = int(meta["step"])
+    roles.sync_generator()
     _apply_queue(run, tensors, meta, path)
 
 
@@ -177,23 +166,15 @@ def _apply_queue(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
     written before they were saved has none: its sampler is before them, so they are
     generated again)."""
     queued = meta["queue"] if "queue" in meta else []
-    if run.rollouts is None:
+    if not run.source.max_ahead:
         if queued:
             raise CheckpointError(
                 f"{path} holds {len(queued)} batch(es) generated ahead of the learner; resume it with the "
                 f"runtime.max_staleness it was written with (this run has {run.cfg.runtime.max_staleness})"
             )
         return
-    batches = batches_from_state(tensors["queue"] if queued else {}, queued, run.train_prompts, where=str(path))
-    run.rollouts.restore(batches, version=run.learner.version)
-
-
-def _apply_learner(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
-    own = getattr(learner, "load_checkpoint_state", None)
-    if own is not None:
-        own(tensors, meta, path, prefix)
-    else:
-        apply_learner_state(learner, tensors, meta, path, prefix)
+    batches = batches_from_state(tensors["queue"] if queued else {}, queued, run.data.train_prompts, where=str(path))
+    run.source.restore(batches, version=run.learner.version)
 
 
 def apply_learner_state(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:

@@ -48,7 +48,7 @@ from rltune.learner.learner import LocalLearner  # noqa: E402
 from rltune.learner.objectives import build_objective  # noqa: E402
 from rltune.metrics.types import scalars  # noqa: E402
 from rltune.models.load import load_model, resolve_model  # noqa: E402
-from rltune.runtime.local import (  # noqa: E402
+from rltune.runtime.roles import (  # noqa: E402
     learner_options,
     load_policy,
     lookup_algorithm,

@@ -15,11 +15,11 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from rltune.config import load_config  # noqa: E402
 from rltune.models.load import resolve_model  # noqa: E402
-from rltune.runtime.local import build_run  # noqa: E402
+from rltune.runtime.build import build_run as build_with_roles  # noqa: E402
 from rltune.runtime.loop import train  # noqa: E402
 from rltune.runtime.ray import sync  # noqa: E402
 from rltune.runtime.ray.cluster import place  # noqa: E402
-from rltune.runtime.ray.run import RayRoles  # noqa: E402
+from rltune.runtime.ray.roles import RayRoles  # noqa: E402
 
 REWARD = '''
 def digit_share(prompt, completion, **meta):
@@ -60,7 +60,7 @@ def config(tmp_path: Path):
 def start(cfg):
     placement = place(cfg.runtime.placement, name=f"test-{cfg.name}")
     roles = RayRoles(placement, None, Path(cfg.log.dir) / cfg.name)
-    run = build_run(cfg, roles=roles)
+    run = build_with_roles(cfg, roles)
     return run, lambda: (roles.close(), placement.remove())
 
 

@@ -23,10 +23,12 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from rltune.config import load_config  # noqa: E402
 from rltune.data.sampler import PromptSampler  # noqa: E402
+from rltune.runtime.build import build_run as build_with_roles  # noqa: E402
 from rltune.runtime.local import build_run  # noqa: E402
 from rltune.runtime.loop import train  # noqa: E402
 from rltune.runtime.ray.cluster import place  # noqa: E402
-from rltune.runtime.ray.run import RayRoles, run_ray  # noqa: E402
+from rltune.runtime.ray.roles import RayRoles  # noqa: E402
+from rltune.runtime.ray.run import run_ray  # noqa: E402
 
 REWARD = '''
 def digit_share(prompt, completion, **meta):
@@ -58,7 +60,7 @@ def ray_run(cfg):
     does; returns the run and a function that stops its actors and frees the placement."""
     placement = place(cfg.runtime.placement, name=f"test-{cfg.name}")
     roles = RayRoles(placement, None, Path(cfg.log.dir) / cfg.name)
-    run = build_run(cfg, roles=roles)
+    run = build_with_roles(cfg, roles)
 
     def close() -> None:
         roles.close()

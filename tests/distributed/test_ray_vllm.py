@@ -16,10 +16,10 @@ pytest.importorskip("ray", reason="the ray extra is not installed")
 from rltune.config import load_config  # noqa: E402
 from rltune.models.load import resolve_model  # noqa: E402
 from rltune.rollout.vllm import vllm_missing  # noqa: E402
-from rltune.runtime.local import build_run  # noqa: E402
+from rltune.runtime.build import build_run as build_with_roles  # noqa: E402
 from rltune.runtime.loop import train  # noqa: E402
 from rltune.runtime.ray.cluster import place  # noqa: E402
-from rltune.runtime.ray.run import RayRoles  # noqa: E402
+from rltune.runtime.ray.roles import RayRoles  # noqa: E402
 
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
@@ -44,7 +44,7 @@ def test_the_vllm_actor_samples_with_the_learners_weights(ray_cluster, tmp_path:
     placement = place(cfg.runtime.placement, name=f"test-vllm-{weight_sync}")
     roles = RayRoles(placement, None, Path(cfg.log.dir) / cfg.name)
     try:
-        run = build_run(cfg, roles=roles)
+        run = build_with_roles(cfg, roles)
         history = train(run)
         assert run.generator.version == run.learner.version == 5
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import rltune.runtime.local
+import rltune.runtime.roles
 from rltune.cli import main
 from rltune.config import load_config
 from rltune.rollout.vllm import vllm_missing
@@ -79,7 +79,7 @@ def no_model_load(monkeypatch):
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the input error was reported")
 
-    monkeypatch.setattr(rltune.runtime.local, "load_model", load_model)
+    monkeypatch.setattr(rltune.runtime.roles, "load_model", load_model)
 
 
 def _succeeds(capsys, argv: list[str]) -> str:

@@ -151,14 +151,14 @@ def test_final_state_is_bitwise_equal(runs):
     assert sa.keys() == sb.keys()
     for name in sa:
         assert torch.equal(sa[name], sb[name]), name
-    oa, ob = runs.a.learner.optimizer.state_dict(), runs.b.learner.optimizer.state_dict()
+    oa, ob = runs.a.learner.learner.optimizer.state_dict(), runs.b.learner.learner.optimizer.state_dict()
     for index, state in oa["state"].items():
         for key, tensor in state.items():
             assert torch.equal(tensor, ob["state"][index][key]), (index, key)
-    assert runs.a.learner.schedule.state_dict() == runs.b.learner.schedule.state_dict()
-    assert runs.a.sampler.state_dict() == runs.b.sampler.state_dict()
+    assert runs.a.learner.learner.schedule.state_dict() == runs.b.learner.learner.schedule.state_dict()
+    assert runs.a.data.sampler.state_dict() == runs.b.data.sampler.state_dict()
     assert torch.equal(
-        runs.a.state.generators["sampling"].get_state(), runs.b.state.generators["sampling"].get_state()
+        runs.a.progress.streams.generators["sampling"].get_state(), runs.b.progress.streams.generators["sampling"].get_state()
     )
 
 

@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 
-import rltune.runtime.state as run_state
-from rltune.runtime.local import build_run
+from rltune.runtime.local import LocalTrained, build_run
 from rltune.runtime.loop import Run, train
 
 STEPS, STOP_AT = 4, 2
@@ -50,7 +49,7 @@ def _same(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 def _states_equal(x: Run, y: Run) -> bool:
-    pairs = [(x.learner.model, y.learner.model), (x.critic.model, y.critic.model)]
+    pairs = [(x.learner.model, y.learner.model), (x.roles.critic.model, y.roles.critic.model)]
     return all(
         all(torch.equal(sx[k], sy[k]) for k in sx)
         for sx, sy in ((m.state_dict(), n.state_dict()) for m, n in pairs)
@@ -75,7 +74,7 @@ def test_ppo_lora_resume_is_exact(straight_and_resumed):
     for step, (x, y) in enumerate(zip(a_hist, b_hist), 1):
         assert _same(x, y), (step, _deterministic(x), _deterministic(y))
     assert _states_equal(a, b)
-    assert a.kl.coef == b.kl.coef != 0.05  # the controller moved, and resumed where it was
+    assert a.roles.kl.coef == b.roles.kl.coef != 0.05  # the controller moved, and resumed where it was
     # 2 epochs x 2 mini-batches: four policy updates per step
     assert a.learner.version == b.learner.version == 4 * STEPS
 
@@ -84,13 +83,13 @@ def test_resume_without_the_critic_state_differs(straight_and_resumed, tmp_path,
     a, a_hist, _, _ = straight_and_resumed
     cfg = tiny_grpo_config_at(tmp_path / "c", *CONFIG)
     train(build_run(cfg), stop_after=STOP_AT)
-    apply_learner = run_state._apply_learner
+    load = LocalTrained.load_checkpoint_state
 
-    def skip_critic(learner, tensors, meta, path, prefix):
+    def skip_critic(role, tensors, meta, path, prefix):
         if prefix != "critic_":
-            apply_learner(learner, tensors, meta, path, prefix)
+            load(role, tensors, meta, path, prefix)
 
-    monkeypatch.setattr(run_state, "_apply_learner", skip_critic)
+    monkeypatch.setattr(LocalTrained, "load_checkpoint_state", skip_critic)
     c = build_run(cfg)
     train(c)
     assert not _states_equal(a, c)

@@ -3,6 +3,8 @@
 The only package of rltune that imports ray. ``cluster`` starts or joins Ray and places the
 actors; ``rollouts`` holds the generator and scorer actors (restarted when they die, their
 work reissued); ``learner`` the learner group (``fsdp_state`` its FSDP2 checkpoints);
-``sync`` the broadcast weight channel; ``run`` builds a :class:`rltune.runtime.loop.Run`
-from them, which the one loop of ``runtime/loop.py`` drives as it drives a local run.
+``sync`` the broadcast weight channel; ``roles`` the :class:`~rltune.runtime.ray.roles.RayRoles`
+(those, plus the reference and critic actors) from which ``run`` builds a
+:class:`rltune.runtime.parts.Run`, which the one loop of ``runtime/loop.py`` drives as it
+drives a local run.
 """

@@ -21,6 +21,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rltune.config.schema import PlacementConfig, RoleResources, RuntimeConfig
 
 ROLES = ("learner", "generator", "scorer")
+MODEL_ROLES = ("reference", "critic")
+"""Roles a run has when its algorithm needs them (``extra`` of :func:`place`); each
+reserves what a learner reserves (``runtime.placement.learner``)."""
 PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -52,7 +55,7 @@ def actor_setup(threads: int) -> None:
     hf_logging.disable_progress_bar()
 
 
-def connect(runtime: RuntimeConfig) -> bool:
+def connect(runtime: RuntimeConfig, extra: tuple[str, ...] = ()) -> bool:
     """Join ``runtime.ray_address``, or start a local Ray bound to 127.0.0.1 with enough
     logical CPUs for the placement. Returns whether this call started Ray (and so should
     stop it). A Ray already initialised in this process is used as it is."""
@@ -65,7 +68,7 @@ def connect(runtime: RuntimeConfig) -> bool:
         except (ConnectionError, ValueError, RuntimeError) as err:
             raise RayRuntimeError(f"runtime.ray_address={runtime.ray_address!r}: cannot join the cluster: {err}") from None
         return False
-    need = total(runtime.placement)
+    need = total(runtime.placement, extra)
     cores = os.cpu_count() or 1
     if need["CPU"] > cores:
         # Ray's CPUs are reservations: a local Ray with fewer would never place the actors
@@ -81,9 +84,9 @@ def connect(runtime: RuntimeConfig) -> bool:
     return True
 
 
-def total(placement: PlacementConfig) -> dict[str, float]:
+def total(placement: PlacementConfig, extra: tuple[str, ...] = ()) -> dict[str, float]:
     """The logical CPUs and GPUs the placement reserves in all."""
-    bundles = bundle_specs(placement)[0]
+    bundles = bundle_specs(placement, extra)[0]
     return {
         "CPU": sum(b.get("CPU", 0.0) for b in bundles),
         "GPU": sum(b.get("GPU", 0.0) for b in bundles),
@@ -97,12 +100,15 @@ def _resources(r: RoleResources) -> dict[str, float]:
     return out
 
 
-def bundle_specs(placement: PlacementConfig) -> tuple[list[dict[str, float]], dict[str, list[int]]]:
+def bundle_specs(
+    placement: PlacementConfig, extra: tuple[str, ...] = ()
+) -> tuple[list[dict[str, float]], dict[str, list[int]]]:
     """The placement group's bundles, and for each role the bundle index of each of its
     actors. Learners come first; with ``colocate`` generator ``i`` shares learner ``i``'s
-    bundle (which then holds both roles' resources)."""
+    bundle (which then holds both roles' resources). ``extra``: one bundle for each of
+    these :data:`MODEL_ROLES`, last."""
     bundles: list[dict[str, float]] = []
-    index: dict[str, list[int]] = {role: [] for role in ROLES}
+    index: dict[str, list[int]] = {role: [] for role in (*ROLES, *extra)}
     for _ in range(placement.learners):
         index["learner"].append(len(bundles))
         bundles.append(_resources(placement.learner))
@@ -119,6 +125,11 @@ def bundle_specs(placement: PlacementConfig) -> tuple[list[dict[str, float]], di
     for _ in range(placement.scorers):
         index["scorer"].append(len(bundles))
         bundles.append(_resources(placement.scorer))
+    for role in extra:
+        if role not in MODEL_ROLES:
+            raise ValueError(f"unknown placement role {role!r}; known: {', '.join(MODEL_ROLES)}")
+        index[role].append(len(bundles))
+        bundles.append(_resources(placement.learner))
     return bundles, index
 
 
@@ -133,7 +144,7 @@ class Placement:
     def options(self, role: str, i: int) -> dict[str, Any]:
         """``ActorClass.options(**...)`` for actor ``i`` of ``role``: its bundle and its
         share of the bundle's resources."""
-        r: RoleResources = getattr(self.placement, role)
+        r = self.resources(role)
         opts: dict[str, Any] = {
             "num_cpus": r.cpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -144,18 +155,23 @@ class Placement:
             opts["num_gpus"] = r.gpus
         return opts
 
+    def resources(self, role: str) -> RoleResources:
+        """What an actor of ``role`` reserves (the model roles: a learner's share)."""
+        return self.placement.learner if role in MODEL_ROLES else getattr(self.placement, role)
+
     def threads(self, role: str) -> int:
         """Torch threads for an actor of ``role``: its CPUs, at least one."""
-        return max(1, int(getattr(self.placement, role).cpus))
+        return max(1, int(self.resources(role).cpus))
 
     def remove(self) -> None:
         remove_placement_group(self.group)
 
 
-def place(placement: PlacementConfig, *, name: str = "") -> Placement:
-    """Reserve the bundles of ``placement``; a RayRuntimeError names what the cluster lacks
-    when they cannot be placed within PLACEMENT_TIMEOUT_S."""
-    bundles, index = bundle_specs(placement)
+def place(placement: PlacementConfig, *, name: str = "", extra: tuple[str, ...] = ()) -> Placement:
+    """Reserve the bundles of ``placement`` (and one for each role of ``extra``); a
+    RayRuntimeError names what the cluster lacks when they cannot be placed within
+    PLACEMENT_TIMEOUT_S."""
+    bundles, index = bundle_specs(placement, extra)
     group = placement_group(bundles, strategy=placement.strategy, name=name)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -163,7 +179,7 @@ def place(placement: PlacementConfig, *, name: str = "") -> Placement:
         remove_placement_group(group)
         have = ray.cluster_resources()
         raise RayRuntimeError(
-            f"runtime.placement needs {total(placement)} in bundles {bundles} "
+            f"runtime.placement needs {total(placement, extra)} in bundles {bundles} "
             f"(strategy {placement.strategy}); the cluster has "
             f"CPU={have.get('CPU', 0)}, GPU={have.get('GPU', 0)} and could not place them in "
             f"{PLACEMENT_TIMEOUT_S:.0f} s"

@@ -12,7 +12,7 @@ reserved a GPU) and train one model with DDP or FSDP2
 rank 0's answer. The group's update is the one a
 :class:`~rltune.learner.learner.LocalLearner` of the same config makes on the whole batch
 (see ``rltune/learner/parallel.py`` for why), and every actor builds its learner as
-``rltune.runtime.local.build_run`` builds the local one, so both start identical.
+``rltune.runtime.local.LocalRoles`` builds the local one, so both start identical.
 
 The model lives in the actors: the group has no ``model`` attribute. The driver gets the
 weights with :meth:`RayLearnerGroup.export_weights` (a :class:`WeightsRef` into Ray's
@@ -47,7 +47,7 @@ from rltune.learner.distributed import init_group, loopback_interface, shard_bat
 from rltune.learner.learner import LocalLearner
 from rltune.learner.parallel import make_parallelism
 from rltune.metrics.types import Metric
-from rltune.runtime.local import (
+from rltune.runtime.roles import (
     learner_model,
     learner_objective,
     learner_options,
@@ -99,7 +99,7 @@ class LearnerActor:
     """One rank of the learner group, run as a Ray actor (``ray.remote(LearnerActor)``).
 
     Joins the torch.distributed group at ``master_addr:master_port`` as ``rank`` of
-    ``world`` and builds the policy learner from ``cfg`` as ``build_run`` does: seeded
+    ``world`` and builds the policy learner from ``cfg`` as ``LocalRoles`` does: seeded
     with ``train.seed``, the model from ``model_dir`` (``learner_model``: LoRA when
     configured; a preference method's model), the objective of ``algo``, the options of
     ``learner_options``. Every method that the group calls on all ranks must be called on
@@ -386,6 +386,15 @@ class RayLearnerGroup:
     def fetch_weights(self) -> dict[str, torch.Tensor]:
         """The full weights as a dict on the driver (for checkpoints and exports)."""
         return self._put_weights().get(self.timeout_s)
+
+    def copy_weights_to(self, model: torch.nn.Module) -> None:
+        """Load the group's current weights into ``model`` on the driver (held-out
+        evaluation of a preference run)."""
+        model.load_state_dict(self.fetch_weights())
+
+    def step_metrics(self) -> dict[str, Metric]:
+        """Nothing to report per step (a dead rank ends the run: :class:`LearnerDied`)."""
+        return {}
 
     def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
         """``(tensors, meta)`` as :func:`rltune.runtime.state.learner_state` gives them for

@@ -54,7 +54,7 @@ class GeneratorWorker:
     def __init__(self, cfg: Config, model_dir: str, config_dir: str | None, seed: int, threads: int) -> None:
         from rltune.envs.loading import load_env_factory
         from rltune.models.load import load_tokenizer
-        from rltune.runtime.local import load_policy, make_generator
+        from rltune.runtime.roles import load_policy, make_generator
 
         actor_setup(threads)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)

@@ -2,7 +2,8 @@
 driven by the one loop of ``runtime/loop.py``.
 
 :func:`run_ray` joins or starts Ray, reserves the placement, builds the run through
-:func:`rltune.runtime.local.build_run` with :class:`RayRoles`, and trains. When a learner
+:func:`rltune.runtime.build.build_run` with :class:`~rltune.runtime.ray.roles.RayRoles`,
+and trains. When a learner
 actor dies the whole group is lost with its optimizer state, so the run is rebuilt and
 resumes from its newest checkpoint, without a person, up to ``runtime.learner_restarts``
 times (recorded in ``RUN/faults.jsonl``). Dead generator and scorer actors are replaced
@@ -12,16 +13,15 @@ within the step (``rollouts.py``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import ray
-import torch
 
 from rltune.checkpoint.export import export_hf
 from rltune.checkpoint.store import latest_checkpoint
 from rltune.config import Config
-from rltune.runtime.local import build_run, learner_model
-from rltune.runtime.loop import Run, train
+from rltune.runtime.build import build_run
+from rltune.runtime.loop import train
+from rltune.runtime.parts import Run
 from rltune.runtime.ray.cluster import (
     Placement,
     RayRuntimeError,
@@ -29,79 +29,19 @@ from rltune.runtime.ray.cluster import (
     place,
     record_fault,
 )
-from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup
-from rltune.runtime.ray.rollouts import RayGenerator, RayScorer
+from rltune.runtime.ray.learner import LearnerDied
+from rltune.runtime.ray.roles import RayRoles, model_roles
+from rltune.runtime.roles import learner_model
 from rltune.runtime.state import checkpoints_of
-
-
-class RayRunState:
-    """The RNG streams a checkpoint carries: the driver's own (``generators``) and each
-    generator actor's sampling stream, mirrored here as ``sampling/I`` when a checkpoint
-    is written and handed back to the actors when one is restored."""
-
-    def __init__(self, generators: dict[str, torch.Generator], roles: "RayRoles") -> None:
-        self._own = generators
-        self._roles = roles
-        self._mirrors: dict[str, torch.Generator] = {}
-
-    @property
-    def generators(self) -> dict[str, torch.Generator]:
-        gen = self._roles.current_generator
-        if gen is not None:
-            for i, state in enumerate(gen.rng_states()):
-                self._mirrors.setdefault(f"sampling/{i}", torch.Generator()).set_state(state)
-        return {**self._own, **self._mirrors}
-
-    def restored(self) -> None:
-        gen = self._roles.current_generator
-        if gen is not None:
-            gen.set_rng_states([self._mirrors[f"sampling/{i}"].get_state() for i in range(gen.pool.size)])
-
-
-class RayRoles:
-    """Starts the run's actors in ``placement`` (see ``rltune.runtime.local.Roles``)."""
-
-    def __init__(self, placement: Placement, config_dir: Path | None, run_dir: Path) -> None:
-        self.placement = placement
-        self.config_dir = str(config_dir) if config_dir else None
-        self.faults_file = run_dir / "faults.jsonl"
-        self.current_generator: RayGenerator | None = None
-        self.started: list[Any] = []
-
-    def learner(self, cfg: Config, model_dir: str) -> RayLearnerGroup:
-        return self._keep(RayLearnerGroup(cfg, model_dir, self.placement))
-
-    def generator(self, cfg: Config, model_dir: str) -> RayGenerator:
-        self.current_generator = self._keep(RayGenerator(cfg, model_dir, self.config_dir, self.placement, self.faults_file))
-        return self.current_generator
-
-    def scorer(self, cfg: Config) -> RayScorer:
-        return self._keep(RayScorer(cfg, self.config_dir, self.placement, self.faults_file))
-
-    def run_state(self, generators: dict[str, torch.Generator]) -> RayRunState:
-        return RayRunState(generators, self)
-
-    def _keep(self, part: Any) -> Any:
-        self.started.append(part)
-        return part
-
-    def close(self) -> None:
-        """Stop every actor this object started (idempotent)."""
-        parts, self.started, self.current_generator = self.started, [], None
-        for part in parts:
-            try:
-                part.close()
-            except Exception:  # noqa: BLE001 - an actor already gone needs no stopping
-                pass
 
 
 def run_ray(cfg: Config, *, config_dir: Path | None = None) -> Run:
     """Train ``cfg`` with its roles as Ray actors and export the final model; resume from
     the newest checkpoint when the learner dies (up to ``runtime.learner_restarts``)."""
-    started = connect(cfg.runtime)
+    started = connect(cfg.runtime, model_roles(cfg))
     run_dir = Path(cfg.log.dir) / cfg.name
     try:
-        placement = place(cfg.runtime.placement, name=f"rltune-{cfg.name}")
+        placement = place_run(cfg, name=f"rltune-{cfg.name}")
         try:
             run = _train_resuming(cfg, config_dir, placement, run_dir)
         finally:
@@ -112,12 +52,18 @@ def run_ray(cfg: Config, *, config_dir: Path | None = None) -> Run:
     return run
 
 
+def place_run(cfg: Config, *, name: str) -> Placement:
+    """Reserve the bundles of ``cfg``'s actors: ``runtime.placement``, and a reference and
+    a critic actor when the algorithm needs them."""
+    return place(cfg.runtime.placement, name=name, extra=model_roles(cfg))
+
+
 def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, run_dir: Path) -> Run:
     restarts_left = cfg.runtime.learner_restarts
     while True:
         roles = RayRoles(placement, config_dir, run_dir)
         try:
-            run = build_run(cfg, config_dir=config_dir, roles=roles)
+            run = build_run(cfg, roles, config_dir=config_dir)
             train(run)
             if cfg.checkpoint.final:
                 _export_final(cfg, run)

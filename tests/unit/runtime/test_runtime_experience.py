@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,11 +54,10 @@ def rollouts() -> list[Rollout]:
     ],
 )
 def test_missing_reward_is_masked_out_and_left_out_of_the_baseline(scale: str, group0) -> None:
-    run = SimpleNamespace(
-        cfg=SimpleNamespace(algo=AlgoConfig(group_size=GROUP, adv_scale=scale)), algorithm=ALGORITHMS["grpo"],
-        pad_id=PAD, reference_logprobs=None,
+    batch, _ = make_experience(
+        rollouts(), algorithm=ALGORITHMS["grpo"], algo=AlgoConfig(group_size=GROUP, adv_scale=scale), pad_id=PAD,
+        policy_logprobs=lambda batch: pytest.fail("a batch learned once needs no old log-probs"),
     )
-    batch, _ = make_experience(run, rollouts())
     valid = [r is not None for r in REWARDS]
     # per-row advantage, constant over the row's tokens; groups 1 and 2 have no signal
     expected = torch.tensor(group0 + [0.0] * 8)

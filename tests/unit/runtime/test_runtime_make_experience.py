@@ -37,8 +37,15 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.fl
 def fake_run(name: str, **algo) -> SimpleNamespace:
     cfg = SimpleNamespace(algo=AlgoConfig(name=name, group_size=2, **algo))
     return SimpleNamespace(
-        cfg=cfg, algorithm=ALGORITHMS[name], pad_id=PAD, reference_logprobs=None, critic=None, kl=None,
+        cfg=cfg, algorithm=ALGORITHMS[name], reference=None, critic=None, kl=None,
         learner=SimpleNamespace(logprobs=lambda batch: torch.full(batch.loss_mask.shape, -1.0)),
+    )
+
+
+def experience(run: SimpleNamespace, samples: list[Rollout]):
+    return make_experience(
+        samples, algorithm=run.algorithm, algo=run.cfg.algo, pad_id=PAD, policy_logprobs=run.learner.logprobs,
+        reference=run.reference, critic=run.critic, kl=run.kl,
     )
 
 
@@ -49,12 +56,12 @@ def whiten(x: list[float]) -> list[float]:
 
 
 def test_loss_mask_drops_the_unscored_sample() -> None:
-    batch, _ = make_experience(fake_run("rloo"), rollouts())
+    batch, _ = experience(fake_run("rloo"), rollouts())
     assert torch.equal(batch.loss_mask, MASK)
 
 
 def test_rloo_advantage_is_reward_minus_the_other_sample() -> None:
-    batch, _ = make_experience(fake_run("rloo"), rollouts())
+    batch, _ = experience(fake_run("rloo"), rollouts())
     # group 0: 1 - 0 and 0 - 1; group 1: one valid sample, no baseline -> 0
     assert batch.advantages[:, 0].tolist() == [1.0, -1.0, 0.0, 0.0]
 
@@ -62,7 +69,7 @@ def test_rloo_advantage_is_reward_minus_the_other_sample() -> None:
 def test_reinforce_pp_returns_are_the_score_at_every_token_then_whitened() -> None:
     # gamma 1: every token's return is its sequence's score (0 for the unscored one,
     # which is masked out anyway). Masked tokens: 1, 1 | 0, 0, 0 | 0.5
-    batch, _ = make_experience(fake_run("reinforce_pp"), rollouts())
+    batch, _ = experience(fake_run("reinforce_pp"), rollouts())
     expected = whiten([1.0, 1.0, 0.0, 0.0, 0.0, 0.5])
     torch.testing.assert_close(batch.advantages[MASK.bool()], torch.tensor(expected), atol=1e-6, rtol=0)
     assert float(batch.advantages[~MASK.bool()].abs().sum()) == 0.0
@@ -70,17 +77,17 @@ def test_reinforce_pp_returns_are_the_score_at_every_token_then_whitened() -> No
 
 def test_reinforce_pp_with_baseline_subtracts_the_group_mean_first() -> None:
     # group 0 mean 0.5: scores 0.5, -0.5; group 1 has one valid sample: 0.5 - 0.5 = 0
-    batch, _ = make_experience(fake_run("reinforce_pp_baseline"), rollouts())
+    batch, _ = experience(fake_run("reinforce_pp_baseline"), rollouts())
     expected = whiten([0.5, 0.5, -0.5, -0.5, -0.5, 0.0])
     torch.testing.assert_close(batch.advantages[MASK.bool()], torch.tensor(expected), atol=1e-6, rtol=0)
 
 
 def test_ppo_uses_the_critic_and_gae_with_kl_in_the_reward() -> None:
     run = fake_run("ppo", kl_coef=0.5, kl_in_reward=True, gamma=1.0, lam=1.0)
-    run.reference_logprobs = lambda batch: torch.full(batch.loss_mask.shape, -1.5)
+    run.reference = SimpleNamespace(logprobs=lambda batch: torch.full(batch.loss_mask.shape, -1.5))
     run.critic = SimpleNamespace(values=lambda batch: torch.full(batch.loss_mask.shape, 0.25))
     run.kl = KLCoefficient(coef=0.5, target=None, horizon=1)
-    batch, metrics = make_experience(run, rollouts())
+    batch, metrics = experience(run, rollouts())
     # k1 = old - ref = -1 - (-1.5) = 0.5 per token; token reward = -0.5 * 0.5 = -0.25, plus
     # the score on the last token. gamma = lam = 1: return_t = sum of rewards from t on.
     # row 0 (score 1, 2 tokens): returns 0.5, 0.75; row 1 (score 0, 3 tokens): -0.75,
@@ -94,7 +101,7 @@ def test_ppo_uses_the_critic_and_gae_with_kl_in_the_reward() -> None:
 
 
 def test_old_logprobs_only_when_the_batch_is_learned_more_than_once() -> None:
-    once, _ = make_experience(fake_run("grpo"), rollouts())
+    once, _ = experience(fake_run("grpo"), rollouts())
     assert once.old_logprobs is None
-    twice, _ = make_experience(fake_run("grpo", epochs=2), rollouts())
+    twice, _ = experience(fake_run("grpo", epochs=2), rollouts())
     assert torch.equal(twice.old_logprobs, torch.full(MASK.shape, -1.0))

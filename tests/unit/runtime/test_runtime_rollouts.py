@@ -16,11 +16,6 @@ from rltune.metrics.types import Sum
 from rltune.runtime.rollouts import AsyncRollouts
 
 
-class Clock:
-    def metrics(self) -> dict[str, float]:
-        return {"time/generate": 0.01, "time/score": 0.0}
-
-
 class Fake:
     """A sampler over prompt ids 0, 1, 2, ... and a generator that tags every rollout
     with the version of the weights it holds."""
@@ -42,7 +37,7 @@ class Fake:
         self.next_id += n
         return [Prompt(id=str(i), text=str(i)) for i in ids]
 
-    def collect(self, prompts, metrics, clock):
+    def collect(self, prompts, metrics, clock, *, draw=None):
         self.batches += 1
         if self.fail_at == self.batches:
             raise OSError("generator lost its device")
@@ -54,7 +49,7 @@ class Fake:
                             finish_reason="stop", policy_version=self.version) for p in prompts]
         return prompts, rollouts
 
-    def load(self, version: int, tensors) -> None:
+    def load_weights(self, version: int, tensors) -> None:
         time.sleep(self.load_s)
         if tensors is not None:
             self.copies.append(dict(tensors)["w"])
@@ -63,8 +58,7 @@ class Fake:
 
 
 def make(fake: Fake, k: int) -> AsyncRollouts:
-    return AsyncRollouts(max_staleness=k, prompts_per_step=2, draw=fake.draw,
-                         collect=fake.collect, load_weights=fake.load, clock=Clock)
+    return AsyncRollouts(max_staleness=k, prompts_per_step=2, collector=fake)
 
 
 def wait_until(cond, timeout: float = 5.0) -> None:

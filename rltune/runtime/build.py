@@ -1,0 +1,163 @@
+"""One builder for every runtime: :func:`build_run` checks the inputs, loads the data,
+asks a :class:`~rltune.runtime.roles.Roles` for each role the algorithm needs, and wires
+them into a :class:`~rltune.runtime.parts.Run` with its batch source and evaluation.
+
+Roles are built in one order whatever the runtime (learner, generator, scorer, reference,
+critic), so every random draw at start-up happens in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rltune.algos import Algorithm, config_problems
+from rltune.config import Config, ConfigError, save_resolved_config
+from rltune.data.collate import collate_sft
+from rltune.data.loaders import load_prompts
+from rltune.data.sampler import PromptSampler
+from rltune.envs.loading import load_env_factory
+from rltune.models.load import load_tokenizer, resolve_model
+from rltune.models.lora import adapters_disabled
+from rltune.rewards.scorer import RewardFn, build_reward_fns
+from rltune.runtime.collect import Collector
+from rltune.runtime.evaluate import Evaluation, GeneratedEvaluation, PreferenceEvaluation
+from rltune.runtime.kl import KLCoefficient
+from rltune.runtime.parts import Progress, Run, RunData, RunRoles, RunSpec
+from rltune.runtime.preference import PreferenceParts, build_preference_parts, skip_warnings
+from rltune.runtime.roles import EnvFactory, Roles, is_preference, learner_model, lookup_algorithm, seed_everything
+from rltune.runtime.rundir import prepare_run_dir
+from rltune.runtime.sources import AheadOfLearner, BatchSource, Experience, Offline, OnPolicy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What a user can get wrong, checked before any model weights are loaded."""
+
+    algorithm: Algorithm
+    reward_fns: list[RewardFn]
+    make_env: EnvFactory | None
+
+    @property
+    def judged(self) -> bool:
+        """Samples can be scored (rewards, or an environment's own)."""
+        return bool(self.reward_fns) or self.make_env is not None
+
+
+def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> Run:
+    """Load model, data and rewards for ``cfg`` and wire them into a :class:`Run`, each role
+    built by ``roles`` (``LocalRoles``: in this process; ``RayRoles``: as Ray actors)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    seed_everything(cfg.train.seed)
+    inputs = _check_inputs(cfg, config_dir)
+    run_dir = Path(cfg.log.dir) / cfg.name
+    # before anything is written there: an old run is never overwritten or mixed with this one
+    moved = prepare_run_dir(cfg, run_dir)
+    model_dir = resolve_model(cfg.model.path)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    preference = _preference_parts(cfg, model_dir, tokenizer, run_dir) if is_preference(cfg) else None
+    data = _run_data(cfg, inputs, tokenizer, preference)
+    sampling = torch.Generator().manual_seed(cfg.train.seed)
+    minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
+    run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
+    save_resolved_config(cfg, run_dir)
+    return Run(
+        spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=(moved,) if moved else ()),
+        data=data,
+        roles=run_roles,
+        source=_batch_source(cfg, inputs.algorithm, data, run_roles, preference),
+        evaluation=_evaluation(cfg, data, run_roles, preference),
+        progress=Progress(streams=roles.streams({"sampling": sampling, "minibatch": minibatch}), minibatch_rng=minibatch),
+    )
+
+
+def _check_inputs(cfg: Config, config_dir: Path | None) -> _Inputs:
+    algorithm = lookup_algorithm(cfg.algo.name)
+    problems = config_problems(algorithm, cfg)  # what the registry says this algorithm needs
+    if problems:
+        raise ConfigError("; ".join(problems))
+    reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
+    make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=config_dir) if cfg.env.name else None
+    return _Inputs(algorithm, reward_fns, make_env)
+
+
+def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
+                      run_dir: Path) -> PreferenceParts:
+    """DPO, SimPO, reward model: the model (LoRA-wrapped when configured, so that DPO's
+    reference is the base with adapters off), pairs, objective and held-out evaluation.
+    DPO's reference log-probs are computed here, before any checkpoint is restored; on
+    every runtime this process holds the model for them and for held-out evaluation."""
+    model = learner_model(cfg, model_dir) if cfg.model.lora is not None else None
+    return build_preference_parts(
+        cfg, model_dir=model_dir, tokenizer=tokenizer, run_dir=run_dir,
+        reference_context=adapters_disabled if model is not None else None, model=model,
+    )
+
+
+def _run_data(cfg: Config, inputs: _Inputs, tokenizer: "PreTrainedTokenizerBase",
+              preference: PreferenceParts | None) -> RunData:
+    if preference is not None:
+        train, held_out, warnings = preference.train_prompts, preference.eval_prompts, preference.data_warnings
+    else:
+        train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not inputs.algorithm.online)
+        eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
+        train = train_set.prompts
+        held_out = eval_set.prompts if eval_set and inputs.judged else None
+        warnings = skip_warnings(train_set, eval_set)
+    sampler = PromptSampler(len(train), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    return RunData(train, held_out, sampler, tokenizer, tokenizer.pad_token_id, tuple(warnings))
+
+
+def _build_roles(cfg: Config, roles: Roles, inputs: _Inputs, model_dir: str, data: RunData,
+                 preference: PreferenceParts | None, sampling: torch.Generator) -> RunRoles:
+    """The roles the algorithm needs, in one order. A generator when the run generates:
+    online algorithms, and held-out evaluation by generating (SFT with rewards)."""
+    algorithm = inputs.algorithm
+    learner = roles.learner(cfg, model_dir, algorithm, preference)
+    generator = None
+    if preference is None and (algorithm.online or data.eval_prompts is not None):
+        generator = roles.generator(cfg, model_dir, data.tokenizer, sampling, inputs.make_env)
+    scorer = roles.scorer(cfg, inputs.reward_fns) if inputs.judged else None
+    needs_reference = algorithm.online and algorithm.requires_reference(cfg.algo.kl_coef)
+    return RunRoles(
+        learner=learner,
+        generator=generator,
+        scorer=scorer,
+        reference=roles.reference(cfg, model_dir) if needs_reference else None,
+        critic=roles.critic(cfg, model_dir) if algorithm.needs_critic else None,
+        kl=KLCoefficient(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon) if cfg.algo.kl_in_reward else None,
+        shared_weights=generator is not None and roles.shares_weights(cfg),
+    )
+
+
+def _batch_source(cfg: Config, algorithm: Algorithm, data: RunData, roles: RunRoles,
+                  preference: PreferenceParts | None) -> BatchSource:
+    n = cfg.train.prompts_per_step
+    if not algorithm.online:
+        collate = preference.collate if preference is not None else partial(collate_sft, pad_id=data.pad_id)
+        return Offline(data, collate, roles, n)
+    if roles.generator is None or roles.scorer is None:
+        raise ValueError(f"algo.name={cfg.algo.name} generates: the run needs a generator and a scorer")
+    collector = Collector(cfg, data, roles.generator, roles.scorer)
+    experience = Experience(algorithm, cfg.algo, data.pad_id, roles)
+    if cfg.runtime.max_staleness > 0:
+        return AheadOfLearner(collector, experience, max_staleness=cfg.runtime.max_staleness, prompts_per_step=n)
+    return OnPolicy(collector, experience, n)
+
+
+def _evaluation(cfg: Config, data: RunData, roles: RunRoles, preference: PreferenceParts | None) -> Evaluation | None:
+    """Preference methods score held-out pairs with the learner's model (they do not
+    generate); the others generate on ``eval_prompts`` and score with the run's rewards."""
+    if preference is not None:
+        return PreferenceEvaluation(preference, roles.learner)
+    if data.eval_prompts is None or roles.generator is None or roles.scorer is None:
+        return None
+    return GeneratedEvaluation(roles.generator, roles.scorer, data.eval_prompts, cfg.eval, cfg.rollout)

@@ -1,0 +1,231 @@
+"""The run's roles as Ray actors (:class:`RayRoles`, the ``Roles`` of
+``rltune/runtime/roles.py``): the learner group, generator and scorer pools, and, when the
+algorithm needs them, the reference model (one actor computing the KL term's log-probs)
+and PPO's critic (one actor training the value model). Each actor gets a bundle of the
+run's placement group; the reference and the critic reserve what a learner reserves
+(``runtime.placement.learner``): they hold a model of the policy's size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from rltune.algos import Algorithm
+from rltune.config import Config
+from rltune.data.records import TrainBatch
+from rltune.learner.learner import predict
+from rltune.learner.objectives import logprobs_only
+from rltune.metrics.types import MetricLike
+from rltune.rewards.scorer import RewardFn
+from rltune.runtime.ray.cluster import Placement, RayRuntimeError, actor_setup, death_reason
+from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup, _to_cpu as to_cpu
+from rltune.runtime.ray.rollouts import ActorPool, RayGenerator, RayScorer
+from rltune.runtime.roles import (
+    EnvFactory,
+    critic_learner,
+    load_reference_model,
+    lookup_algorithm,
+    reference_options,
+    seed_everything,
+)
+from rltune.runtime.state import apply_learner_state, learner_state
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rltune.runtime.preference import PreferenceParts
+
+
+def model_roles(cfg: Config) -> tuple[str, ...]:
+    """The placement roles besides learner, generator and scorer that ``cfg`` needs:
+    ``reference`` (an online run with a KL term) and ``critic`` (PPO)."""
+    algorithm = lookup_algorithm(cfg.algo.name)
+    roles = []
+    if algorithm.online and algorithm.requires_reference(cfg.algo.kl_coef):
+        roles.append("reference")
+    if algorithm.needs_critic:
+        roles.append("critic")
+    return tuple(roles)
+
+
+# ------------------------------------------------------------------------------ the actors
+
+
+class ReferenceWorker:
+    """The frozen starting policy (a copy of ``model_dir``) computing log-probs."""
+
+    def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
+        actor_setup(threads)
+        seed_everything(cfg.train.seed)
+        self.model = load_reference_model(cfg, model_dir)
+        self.options = reference_options(cfg)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return predict(self.model, logprobs_only, batch, **self.options).cpu()
+
+
+class CriticWorker:
+    """PPO's critic: the value model and its optimizer, built as the local runtime does."""
+
+    def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
+        actor_setup(threads)
+        seed_everything(cfg.train.seed)
+        self.learner = critic_learner(cfg, model_dir)
+
+    def step(self, batch: TrainBatch) -> dict[str, MetricLike]:
+        return self.learner.step(batch)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.learner.values(batch).cpu()
+
+    def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
+        return to_cpu(learner_state(self.learner, prefix))
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict, path: str, prefix: str) -> None:
+        apply_learner_state(self.learner, tensors, meta, Path(path), prefix)
+
+
+# ------------------------------------------------------------------------------ the handles
+
+
+class RayReference:
+    """The Reference protocol over one :class:`ReferenceWorker` (replaced if it dies: it
+    holds no state but the frozen weights)."""
+
+    def __init__(self, cfg: Config, model_dir: str, placement: Placement, faults_file: Path | None) -> None:
+        _require(placement, "reference")
+        threads = placement.threads("reference")
+        self.pool = ActorPool("reference", ReferenceWorker, lambda i: (cfg, model_dir, threads), placement,
+                              restarts=cfg.runtime.actor_restarts, faults_file=faults_file)
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.pool.call({0: ("logprobs", (batch,))})[0]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class RayCritic:
+    """The Critic protocol over one :class:`CriticWorker`. Its optimizer state dies with
+    it, so a dead critic is a :class:`LearnerDied`: the run resumes from its checkpoint."""
+
+    def __init__(self, cfg: Config, model_dir: str, placement: Placement) -> None:
+        _require(placement, "critic")
+        remote = ray.remote(max_restarts=0, max_task_retries=0)(CriticWorker)
+        self.actor = remote.options(**placement.options("critic", 0)).remote(cfg, model_dir, placement.threads("critic"))
+
+    def step(self, batch: TrainBatch) -> dict[str, MetricLike]:
+        return self._get(self.actor.step.remote(batch), "step")
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self._get(self.actor.values.remote(batch), "values")
+
+    def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
+        return self._get(self.actor.checkpoint_state.remote(prefix), "checkpoint_state")
+
+    def load_checkpoint_state(self, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
+        mine = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+        self._get(self.actor.load_checkpoint_state.remote(mine, meta, str(path), prefix), "load_checkpoint_state")
+
+    def _get(self, ref: ray.ObjectRef, what: str) -> Any:
+        try:
+            return ray.get(ref)
+        except RayActorError as err:
+            raise LearnerDied(f"the critic actor died during {what}: {death_reason(err)}") from err
+
+    def close(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+def _require(placement: Placement, role: str) -> None:
+    if not placement.index.get(role):
+        raise RayRuntimeError(
+            f"the run needs a {role} actor and the placement has no bundle for one; place it with "
+            f"rltune.runtime.ray.run.place_run(cfg) (or place(..., extra=model_roles(cfg)))"
+        )
+
+
+# ------------------------------------------------------------------------------ the roles
+
+
+class RayRunState:
+    """The RNG streams a checkpoint carries: the driver's own (``generators``) and each
+    generator actor's sampling stream, mirrored here as ``sampling/I`` when a checkpoint
+    is written and handed back to the actors when one is restored."""
+
+    def __init__(self, generators: dict[str, torch.Generator], roles: "RayRoles") -> None:
+        self._own = generators
+        self._roles = roles
+        self._mirrors: dict[str, torch.Generator] = {}
+
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        gen = self._roles.current_generator
+        if gen is not None:
+            for i, state in enumerate(gen.rng_states()):
+                self._mirrors.setdefault(f"sampling/{i}", torch.Generator()).set_state(state)
+        return {**self._own, **self._mirrors}
+
+    def restored(self) -> None:
+        gen = self._roles.current_generator
+        if gen is not None:
+            gen.set_rng_states([self._mirrors[f"sampling/{i}"].get_state() for i in range(gen.pool.size)])
+
+
+class RayRoles:
+    """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``)."""
+
+    def __init__(self, placement: Placement, config_dir: Path | None, run_dir: Path) -> None:
+        self.placement = placement
+        self.config_dir = str(config_dir) if config_dir else None
+        self.faults_file = run_dir / "faults.jsonl"
+        self.current_generator: RayGenerator | None = None
+        self.started: list[Any] = []
+
+    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
+                preference: "PreferenceParts | None") -> RayLearnerGroup:
+        return self._keep(RayLearnerGroup(cfg, model_dir, self.placement))
+
+    def shares_weights(self, cfg: Config) -> bool:
+        return False  # every generator actor holds its own copy
+
+    def generator(self, cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
+                  rng: torch.Generator, make_env: EnvFactory | None) -> RayGenerator:
+        # each actor loads its own tokenizer and environment and samples with its own stream
+        self.current_generator = self._keep(RayGenerator(cfg, model_dir, self.config_dir, self.placement, self.faults_file))
+        return self.current_generator
+
+    def scorer(self, cfg: Config, reward_fns: list[RewardFn]) -> RayScorer:
+        return self._keep(RayScorer(cfg, self.config_dir, self.placement, self.faults_file))
+
+    def reference(self, cfg: Config, model_dir: str) -> RayReference:
+        return self._keep(RayReference(cfg, model_dir, self.placement, self.faults_file))
+
+    def critic(self, cfg: Config, model_dir: str) -> RayCritic:
+        return self._keep(RayCritic(cfg, model_dir, self.placement))
+
+    def streams(self, generators: dict[str, torch.Generator]) -> RayRunState:
+        # the driver does not sample: each generator actor has its own stream
+        return RayRunState({k: v for k, v in generators.items() if k != "sampling"}, self)
+
+    def _keep(self, part: Any) -> Any:
+        self.started.append(part)
+        return part
+
+    def close(self) -> None:
+        """Stop every actor this object started (idempotent)."""
+        parts, self.started, self.current_generator = self.started, [], None
+        for part in parts:
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - an actor already gone needs no stopping
+                pass

@@ -1,0 +1,190 @@
+"""The role factories every runtime builds from, and the :class:`Roles` protocol.
+
+A run is made of the same roles wherever they run: a generator, a scorer, the policy
+learner, and when the algorithm needs them the reference model (the KL term) and PPO's
+critic. :func:`rltune.runtime.build.build_run` asks a :class:`Roles` for each;
+``runtime/local.py`` (:class:`~rltune.runtime.local.LocalRoles`) builds them in this
+process and ``runtime/ray/roles.py`` (``RayRoles``) as Ray actors. Both build the models,
+objectives and samplers with the functions below, so the two start identical.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from rltune.algos import ALGORITHMS, Algorithm
+from rltune.config import Config, ConfigError
+from rltune.data.chat import encode_prompt
+from rltune.envs.episodes import EpisodeGenerator
+from rltune.envs.tool_format import turn_glue
+from rltune.learner.learner import LocalLearner
+from rltune.learner.objectives import Objective, build_objective, value_objective
+from rltune.learner.preference import PREFERENCE_METHODS, preference_method
+from rltune.models.load import load_model, router_aux_loss_coef
+from rltune.models.lora import apply_lora
+from rltune.models.value import load_critic
+from rltune.rewards.scorer import LocalScorer, RewardFn
+from rltune.rollout.hf import HFGenerator, eos_ids
+from rltune.runtime.preference import load_preference_model
+from rltune.runtime.protocols import Critic, Generator, Learner, Reference, Scorer, Streams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rltune.envs.base import Environment
+    from rltune.runtime.preference import PreferenceParts
+
+EnvFactory = Callable[[], "Environment"]
+
+
+class Roles(Protocol):
+    """Where a run's roles live. Each method builds one role for ``cfg``; the builder calls
+    them in the order listed, once each, and only for the roles the run has."""
+
+    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
+                preference: "PreferenceParts | None") -> Learner:
+        """The policy learner (a preference method's model: ``preference.model`` here)."""
+        ...
+
+    def generator(self, cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
+                  rng: torch.Generator, make_env: EnvFactory | None) -> Generator:
+        """The sampler; ``rng`` is the run's sampling stream (local runtime)."""
+        ...
+
+    def shares_weights(self, cfg: Config) -> bool:
+        """Whether the generator runs on the learner's own module (nothing to publish)."""
+        ...
+
+    def scorer(self, cfg: Config, reward_fns: list[RewardFn]) -> Scorer: ...
+    def reference(self, cfg: Config, model_dir: str) -> Reference: ...
+    def critic(self, cfg: Config, model_dir: str) -> Critic: ...
+    def streams(self, generators: dict[str, torch.Generator]) -> Streams:
+        """The RNG streams a checkpoint carries: ``generators`` and those of remote roles."""
+        ...
+
+
+def is_preference(cfg: Config) -> bool:
+    """An offline run on preference pairs (DPO, SimPO, reward model)."""
+    return cfg.algo.name in PREFERENCE_METHODS
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed)
+
+
+def lookup_algorithm(name: str) -> Algorithm:
+    """The registry entry ``algo.name`` names; a ConfigError naming the closest on a typo."""
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    close = difflib.get_close_matches(name, ALGORITHMS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"algo.name: unknown algorithm {name!r}{hint}; known: {', '.join(ALGORITHMS)}")
+
+
+def learner_options(cfg: Config, algorithm: Algorithm, model: torch.nn.Module) -> dict:
+    """The policy learner's keyword arguments besides model, objective and ``cfg.train``
+    (shared by every runtime that builds one)."""
+    aux_coef = cfg.model.router_aux_loss_coef
+    return {
+        "temperature": cfg.rollout.temperature if algorithm.online else 1.0,
+        "aux_loss_coef": router_aux_loss_coef(model) if aux_coef is None else aux_coef,
+        "updates_per_step": cfg.algo.epochs * cfg.algo.minibatches,
+    }
+
+
+def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
+    model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
+
+
+def learner_model(cfg: Config, model_dir: str) -> torch.nn.Module:
+    """The model the learner trains: the policy, or for a preference method its model (a
+    reward model for reward_model), LoRA as configured."""
+    if is_preference(cfg):
+        model = load_preference_model(cfg, model_dir)
+        return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
+    return load_policy(cfg, model_dir)
+
+
+def learner_objective(cfg: Config, algorithm: Algorithm) -> Objective:
+    """The learner's objective: the preference method's, or the policy learner's."""
+    if is_preference(cfg):
+        return preference_method(cfg.algo.name).objective(cfg.algo)
+    return build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+
+
+def load_reference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
+    """A second, frozen copy of the starting policy (``model_dir``) for the KL term."""
+    reference = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    return reference.eval().requires_grad_(False)
+
+
+def reference_options(cfg: Config) -> dict:
+    """Keyword arguments of :func:`rltune.learner.learner.predict` for reference log-probs."""
+    return dict(field="logprobs", budget=cfg.train.micro_batch_tokens, temperature=cfg.rollout.temperature)
+
+
+def critic_learner(cfg: Config, model_dir: str) -> LocalLearner:
+    """PPO's critic: the policy's body with a value head, its own AdamW at ``critic_lr``."""
+    critic = load_critic(
+        cfg.model.critic_path or model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+    )
+    lr = cfg.algo.critic_lr if cfg.algo.critic_lr is not None else cfg.train.lr
+    updates = cfg.algo.epochs * cfg.algo.minibatches
+    return LocalLearner(critic, value_objective(cfg.algo), cfg.train.model_copy(update={"lr": lr}), updates_per_step=updates)
+
+
+def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
+                   tokenizer: "PreTrainedTokenizerBase", rng: torch.Generator,
+                   make_env: EnvFactory | None) -> EpisodeGenerator | HFGenerator:
+    """The sampler ``rollout.engine`` names: rltune's on ``model``, or a vLLM engine with
+    its own copy of ``model_dir`` (``model`` unused; may be None). With an environment,
+    episodes of it played by the sampler."""
+    if cfg.rollout.engine == "vllm":
+        from rltune.rollout.vllm import VLLMGenerator, engine_args
+
+        sampler = VLLMGenerator(
+            model_dir, tokenizer, dtype=cfg.model.dtype, rng=rng, seed=int(rng.initial_seed()),
+            trust_remote_code=cfg.model.trust_remote_code, engine_args=engine_args(cfg.rollout.vllm),
+        )
+        stops = sampler.eos_ids
+    else:
+        sampler = HFGenerator(model, tokenizer, rng=rng)
+        stops = eos_ids(model, tokenizer)
+    if make_env is None:
+        return sampler
+    return EpisodeGenerator(
+        sampler, tokenizer, make_env,
+        glue=turn_glue(tokenizer, use_chat_template=cfg.data.chat_template),
+        encode=partial(
+            encode_prompt, tokenizer, system_prompt=cfg.data.system_prompt,
+            use_chat_template=cfg.data.chat_template,
+        ),
+        max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+        eos_ids=stops,
+    )
+
+
+def local_scorer(cfg: Config, reward_fns: list[RewardFn]) -> LocalScorer:
+    """The run's reward functions scored in this process (``runtime.reward_*``)."""
+    r = cfg.runtime
+    return LocalScorer(reward_fns, max_workers=r.reward_workers, pool=r.reward_pool, cache_size=r.reward_cache_size)
+
+
+__all__ = [
+    "Roles", "critic_learner", "is_preference", "learner_model", "learner_objective", "learner_options",
+    "load_policy", "load_reference_model", "local_scorer", "lookup_algorithm",
+    "make_generator", "reference_options", "seed_everything",
+]
