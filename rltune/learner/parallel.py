@@ -83,6 +83,8 @@ class Parallelism(Protocol):
 
     rank: int
     world: int
+    device: torch.device | None
+    """Where this rank computes; None: wherever the model is (one process)."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Place (and shard) ``model`` in place; returns the module that training
@@ -122,6 +124,7 @@ class NoParallelism:
 
     rank = 0
     world = 1
+    device = None
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
