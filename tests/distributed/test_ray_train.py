@@ -1,5 +1,5 @@
 """``runtime.mode: ray`` end to end on a local Ray: the same recipe trains as it does
-locally (the same first step, a reward that rises as much), with several generators,
+locally (every step the same to the bit), with several generators,
 learners and rollouts ahead; a generator killed with SIGKILL during the run is replaced
 and no prompt is lost or learned twice; a learner killed during the run makes the run
 resume from its newest checkpoint by itself and finish; a run a version ahead of the
@@ -69,6 +69,12 @@ def ray_run(cfg):
     return run, close
 
 
+def completions(run_dir: Path) -> list[tuple[int, str]]:
+    """(step, completion) of every sample the run wrote, in order."""
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    return [(s["step"], s["completion"]) for s in map(json.loads, lines)]
+
+
 def rises(history: list[dict]) -> tuple[float, float]:
     curve = [m["reward/mean"] for m in history]
     return statistics.mean(curve[:5]), statistics.mean(curve[-5:])
@@ -81,13 +87,15 @@ def test_the_same_recipe_trains_alike_locally_and_on_ray(ray_cluster, config) ->
         remote = train(run)
     finally:
         close()
-    # one generator actor samples with the local stream and the learner group of one
-    # starts from the same weights: the first step's samples and rewards are the same
-    assert remote[0]["reward/mean"] == local[0]["reward/mean"]
-    assert remote[0]["loss"] == pytest.approx(local[0]["loss"], rel=1e-5)
-    (_, last_l), (first_r, last_r) = rises(local), rises(remote)
+    # One generator actor samples with the local stream (seed train.seed), the learner
+    # group of one starts from the same weights and steps with the same kernels (one
+    # thread in both processes, the same machine): every step is the same to the bit, not
+    # only the first. Measured: 30 steps, every completion and metric identical.
+    for key in ("reward/mean", "loss", "grad_norm"):
+        assert [m[key] for m in remote] == [m[key] for m in local], key
+    assert completions(run.run_dir) == completions(run.run_dir.parent / "local")
+    first_r, last_r = rises(remote)
     assert first_r < 0.3 and last_r > first_r + 0.3, [m["reward/mean"] for m in remote]
-    assert abs(last_r - last_l) < 0.25, (last_l, last_r)
     assert all(m["faults/generator_restarts"] == 0 for m in remote)
     assert all(m["time/weight_load"] > 0 for m in remote)
 
