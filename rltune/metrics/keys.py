@@ -160,6 +160,11 @@ def critic_key(key: str) -> str:
     return f"critic{SEP}{key}"
 
 
+def restarts_key(role: str) -> str:
+    """``faults/ROLE_restarts``: actors of ROLE (``generator``, ``scorer``) replaced this step."""
+    return f"faults{SEP}{role}_restarts"
+
+
 def perf_reward_calls_key(name: str) -> str:
     """``perf/reward_calls/NAME``: calls made to reward function NAME."""
     return f"perf{SEP}reward_calls{SEP}{name}"
@@ -185,6 +190,7 @@ def is_loss_part_key(key: str) -> bool:
 
 TOKENS = "tokens"
 LR = "lr"
+POLICY_VERSION = "policy_version"
 LOGPROB_MISMATCH = "logprob_mismatch"
 ENTROPY = "entropy"
 GRAD_NORM = "grad_norm"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from rltune.metrics import keys
+
 
 class StepClock:
     """Marks the end of each phase; a phase marked twice keeps its last duration."""
@@ -18,6 +20,6 @@ class StepClock:
         self.last = now
 
     def metrics(self) -> dict[str, float]:
-        out = {f"time/{k}": v for k, v in self.phases.items()}
-        out["time/step"] = self.last - self.start
+        out = {keys.time_key(k): v for k, v in self.phases.items()}
+        out[keys.TIME_STEP] = self.last - self.start
         return out

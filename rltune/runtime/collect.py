@@ -9,6 +9,7 @@ import torch
 from rltune.algos import groups_with_spread, overlong_penalty
 from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.metrics import keys
 from rltune.metrics.types import Aggregator
 from rltune.runtime.clock import StepClock
 from rltune.runtime.experience import rewards_tensor
@@ -69,7 +70,7 @@ class Collector:
             more_prompts, more_rollouts = _groups_with_signal(more, new, group)
             kept_prompts += more_prompts
             kept += more_rollouts
-        metrics.add({"groups/kept_frac": len(kept_prompts) / drawn, "groups/refill_rounds": float(rounds)})
+        metrics.add({keys.GROUPS_KEPT_FRAC: len(kept_prompts) / drawn, keys.GROUPS_REFILL_ROUNDS: float(rounds)})
         return kept_prompts[:wanted], kept[: wanted * group]
 
     def _generate_and_score(
@@ -93,7 +94,7 @@ class Collector:
             lengths, max_len=self.cfg.rollout.max_new_tokens, buffer=a.overlong_buffer, penalty=a.overlong_penalty
         ).tolist()
         for r, p in zip(rollouts, penalty):
-            r.rewards["overlong"] = p
+            r.rewards[keys.OVERLONG_REWARD] = p
             if r.reward is not None:
                 r.reward += p
 

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from rltune.config.schema import EvalConfig, RolloutConfig
 from rltune.data.records import Prompt, SamplingParams
+from rltune.metrics import keys
 from rltune.metrics.types import scalars
 from rltune.runtime.experience import rollout_metrics
 from rltune.runtime.preference import PreferenceParts
@@ -78,4 +79,4 @@ def evaluate(
         scorer.score({p.id: p for p in part}, done)
         rollouts.extend(done)
     metrics = scalars(rollout_metrics(rollouts, group_size=1, accuracy=scorer.accuracy_names))
-    return {f"eval/{k}": v for k, v in metrics.items()}
+    return {keys.eval_key(k): v for k, v in metrics.items()}

@@ -27,6 +27,7 @@ from rltune.algos import (
 from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_rollouts
 from rltune.data.records import Rollout, TrainBatch
+from rltune.metrics import keys
 from rltune.metrics.types import Histogram, MetricLike
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.protocols import Critic, Reference
@@ -108,8 +109,8 @@ def _token_rewards(
         raise ValueError("algo.kl_in_reward needs the run's KL coefficient")
     penalty = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kind="k1")
     coef = kl.coef
-    metrics["kl"] = float(masked_mean(penalty, batch.loss_mask))
-    metrics["kl_coef"] = coef
+    metrics[keys.KL] = float(masked_mean(penalty, batch.loss_mask))
+    metrics[keys.KL_COEF] = coef
     # the adaptive controller targets the KL of a whole sequence (Ziegler et al. 2019)
     kl.observe(float((penalty * batch.loss_mask).sum() / batch.loss_mask.any(1).sum().clamp(min=1)), len(batch))
     return kl_shaped_rewards(scores, penalty, batch.loss_mask, kl_coef=coef)
@@ -125,12 +126,12 @@ def rollout_metrics(
     lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
     clipped = torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.float32)
     metrics = {
-        "reward/mean": _mean(rewards[valid]),
-        "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
-        "reward/errors": float((~valid).sum()) - sum(r.dropped for r in rollouts),
-        "length/mean": float(lengths.mean()),
-        "length/max": float(lengths.max()),
-        "length/clipped_frac": float(clipped.mean()),
+        keys.REWARD_MEAN: _mean(rewards[valid]),
+        keys.REWARD_STD: float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
+        keys.REWARD_ERRORS: float((~valid).sum()) - sum(r.dropped for r in rollouts),
+        keys.LENGTH_MEAN: float(lengths.mean()),
+        keys.LENGTH_MAX: float(lengths.max()),
+        keys.LENGTH_CLIPPED_FRAC: float(clipped.mean()),
     }
     if group_size > 1:
         # spread over each group's valid rewards only (a missing one is NaN and would make
@@ -140,7 +141,7 @@ def rollout_metrics(
         top = torch.where(ok, grouped, -torch.inf).amax(1)
         bottom = torch.where(ok, grouped, torch.inf).amin(1)
         spread = torch.where(ok.sum(1) >= 2, top - bottom, 0.0)
-        metrics["groups/zero_std_frac"] = float((spread == 0).float().mean())
+        metrics[keys.GROUPS_ZERO_STD_FRAC] = float((spread == 0).float().mean())
     if any(r.turns is not None for r in rollouts):
         metrics.update(episode_metrics(rollouts))
     names = {name for r in rollouts for name in r.rewards}
@@ -148,10 +149,10 @@ def rollout_metrics(
         values = torch.tensor(
             [v for r in rollouts if (v := r.rewards.get(name)) is not None], dtype=torch.float32
         )
-        metrics[f"reward/{name}"] = _mean(values)
+        metrics[keys.reward_key(name)] = _mean(values)
     metrics.update(accuracy_metrics(rollouts, accuracy))
-    metrics["hist/reward"] = Histogram(rewards[valid])
-    metrics["hist/length"] = Histogram(lengths)
+    metrics[keys.HIST_REWARD] = Histogram(rewards[valid])
+    metrics[keys.HIST_LENGTH] = Histogram(lengths)
     return metrics
 
 
@@ -167,9 +168,9 @@ def accuracy_metrics(rollouts: Sequence[Rollout], verifiers: Collection[str]) ->
             correct_all.append(all(v >= 1.0 for v in values))
     for name in sorted(verifiers):
         scored = [v >= 1.0 for r in rollouts if (v := r.rewards.get(name)) is not None]
-        metrics[f"accuracy/{name}"] = sum(scored) / len(scored) if scored else float("nan")
+        metrics[keys.accuracy_key(name)] = sum(scored) / len(scored) if scored else float("nan")
     if verifiers:
-        metrics["accuracy"] = sum(correct_all) / len(correct_all) if correct_all else float("nan")
+        metrics[keys.ACCURACY] = sum(correct_all) / len(correct_all) if correct_all else float("nan")
     return metrics
 
 
@@ -184,11 +185,11 @@ def episode_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
     masks = [r.loss_mask for r in rollouts]
     total = sum(len(m) for m in masks)
     return {
-        "env/turns": float(model.mean()),
-        "env/tool_calls": float(tool.mean()),
-        "env/tool_call_frac": float((tool > 0).float().mean()),
-        "env/masked_frac": float(sum(len(m) - float(m.sum()) for m in masks) / total) if total else 0.0,
-        "env/errors": float(sum(r.env_error is not None for r in rollouts)),
+        keys.ENV_TURNS: float(model.mean()),
+        keys.ENV_TOOL_CALLS: float(tool.mean()),
+        keys.ENV_TOOL_CALL_FRAC: float((tool > 0).float().mean()),
+        keys.ENV_MASKED_FRAC: float(sum(len(m) - float(m.sum()) for m in masks) / total) if total else 0.0,
+        keys.ENV_ERRORS: float(sum(r.env_error is not None for r in rollouts)),
     }
 
 

@@ -14,6 +14,7 @@ import torch
 from rich.markup import escape
 
 from rltune.data.records import Prompt, Rollout, TrainBatch
+from rltune.metrics import keys
 from rltune.metrics.sinks import ConsoleProgress, JsonlWriter
 from rltune.metrics.types import Aggregator, Last, Metric, Sum
 from rltune.runtime.clock import StepClock
@@ -99,15 +100,15 @@ def train_step(run: Run, samples_log: JsonlWriter, *, watch: RewardErrorWatch | 
         metrics.add(part.step_metrics())
     times = clock.metrics()
     if made.learner_wait_s is not None:  # the producer's own generate/score times are in metrics
-        metrics.add({"async/learner_idle_frac": made.learner_wait_s / times["time/step"]})
+        metrics.add({keys.ASYNC_LEARNER_IDLE_FRAC: made.learner_wait_s / times[keys.TIME_STEP]})
     metrics.add(times)
-    step_s = times["time/step"]
+    step_s = times[keys.TIME_STEP]
     # generated tokens when the step generates, else the tokens learned on
     generated_tokens = sum(len(r.completion_ids) for r in rollouts)
     metrics.add({
-        "policy_version": Last(float(run.learner.version)),
-        "samples_per_s": len(batch) / step_s,
-        "tokens_per_s": (generated_tokens or float(batch.loss_mask.sum())) / step_s,
+        keys.POLICY_VERSION: Last(float(run.learner.version)),
+        keys.SAMPLES_PER_S: len(batch) / step_s,
+        keys.TOKENS_PER_S: (generated_tokens or float(batch.loss_mask.sum())) / step_s,
     })
     return metrics.result()
 
@@ -119,7 +120,7 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
     updates combined, each by its reduction (critic metrics prefixed ``critic/``)."""
     a = run.cfg.algo
     if len(batch) == 0:
-        return {"learn/empty_batch": Sum(1.0)}
+        return {keys.LEARN_EMPTY_BATCH: Sum(1.0)}
     critic, learner = run.roles.critic, run.roles.learner
     updates = Aggregator()
     for _ in range(a.epochs):
@@ -130,7 +131,7 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
         for rows in order.chunk(a.minibatches):
             mb = batch.select(rows) if a.minibatches > 1 else batch
             if critic is not None:
-                updates.add({f"critic/{k}": v for k, v in critic.step(mb).items()})
+                updates.add({keys.critic_key(k): v for k, v in critic.step(mb).items()})
             if run.progress.step > a.critic_warmup_steps:
                 updates.add(learner.step(mb))
     return updates.result()
@@ -141,12 +142,9 @@ def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
         return {}
     with run.source.evaluating():
         metrics = run.evaluation()
-    skip = {"eval/reward/std", "eval/reward/errors"}
-    shown = "  ".join(
-        f"{k[len('eval/'):].removeprefix('reward/')} {v:.3f}" for k, v in metrics.items()
-        if k.startswith(("eval/reward/", "eval/pref/")) and k not in skip
-    )
-    errors = f"  (errors {metrics['eval/reward/errors']:.0f})" if metrics.get("eval/reward/errors") else ""
+    shown = "  ".join(f"{keys.held_out_label(k)} {metrics[k]:.3f}" for k in keys.held_out_scores(metrics))
+    errors_key = keys.eval_key(keys.REWARD_ERRORS)
+    errors = f"  (errors {metrics[errors_key]:.0f})" if metrics.get(errors_key) else ""
     bar.print(f"eval at step {run.step}: {shown}{errors}")
     return metrics
 

@@ -52,6 +52,7 @@ from typing import Protocol
 
 from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.data.records import Prompt, Rollout
+from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Metric, Sum
 from rltune.runtime.clock import StepClock
 from rltune.runtime.protocols import Weights
@@ -130,9 +131,9 @@ class AsyncRollouts:
         waited = now - start
         metrics = dict(item.metrics)
         metrics.update({
-            "async/queue": float(queued),
-            "async/dropped_stale": Sum(float(dropped)),
-            "async/generator_idle_frac": generator_idle,
+            keys.ASYNC_QUEUE: float(queued),
+            keys.ASYNC_DROPPED_STALE: Sum(float(dropped)),
+            keys.ASYNC_GENERATOR_IDLE_FRAC: generator_idle,
         })
         return item.prompts, item.rollouts, metrics, waited
 
@@ -238,7 +239,7 @@ class AsyncRollouts:
         version = min((r.policy_version for r in rollouts), default=self._version)
         produced = QueuedBatch(prompts, rollouts,
                                {**metrics.result(), **{k: v for k, v in clock.metrics().items()
-                                                       if k in ("time/generate", "time/score")}},
+                                                       if k in (keys.time_key("generate"), keys.time_key("score"))}},
                                version)
         with self._lock:
             self._queue.append(produced)

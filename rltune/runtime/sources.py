@@ -23,6 +23,7 @@ from rltune.algos import Algorithm
 from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.config.schema import AlgoConfig
 from rltune.data.records import Prompt, Rollout, TrainBatch
+from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Max, Metric
 from rltune.runtime.clock import StepClock
 from rltune.runtime.collect import Collector
@@ -74,7 +75,7 @@ def staleness_metrics(rollouts: list[Rollout], learner_version: int) -> dict[str
     if not rollouts:
         return {}
     lags = [learner_version - r.policy_version for r in rollouts]
-    return {"staleness/mean": sum(lags) / len(lags), "staleness/max": Max(float(max(lags)))}
+    return {keys.STALENESS_MEAN: sum(lags) / len(lags), keys.STALENESS_MAX: Max(float(max(lags)))}
 
 
 @dataclass(frozen=True)

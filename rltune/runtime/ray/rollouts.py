@@ -28,6 +28,7 @@ import torch
 from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.data.shards import shard_bounds
+from rltune.metrics import keys
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.ray.cluster import (
     Placement,
@@ -382,8 +383,8 @@ class RayGenerator:
         from rltune.metrics.types import Last, Sum
 
         return {
-            "faults/generator_restarts": Sum(float(self.pool.take_restarts())),
-            "time/weight_load": Last(self.last_sync_s),
+            keys.restarts_key("generator"): Sum(float(self.pool.take_restarts())),
+            keys.TIME_WEIGHT_LOAD: Last(self.last_sync_s),
         }
 
     def rng_states(self) -> list[torch.Tensor]:
@@ -430,7 +431,7 @@ class RayScorer:
     def step_metrics(self) -> dict[str, Any]:
         from rltune.metrics.types import Sum
 
-        return {"faults/scorer_restarts": Sum(float(self.pool.take_restarts()))}
+        return {keys.restarts_key("scorer"): Sum(float(self.pool.take_restarts()))}
 
     def close(self) -> None:
         try:
