@@ -199,12 +199,12 @@ def expert_load_metrics(load: torch.Tensor, *, per_expert_up_to: int = 16) -> di
     layers, experts = load.shape
     share = load / load.sum(-1, keepdim=True).clamp(min=1) * experts  # [L, E]
     metrics: dict[str, Metric] = {
-        "moe/load_max": Mean(float(share.max())),
-        "moe/load_min": Mean(float(share.min())),
-        "moe/expert_load": Histogram(share.reshape(-1)),
+        keys.MOE_LOAD_MAX: Mean(float(share.max())),
+        keys.MOE_LOAD_MIN: Mean(float(share.min())),
+        keys.MOE_EXPERT_LOAD: Histogram(share.reshape(-1)),
     }
     if experts <= per_expert_up_to:
-        metrics.update({f"moe/load/e{i}": Mean(float(v)) for i, v in enumerate(share.mean(0))})
+        metrics.update({keys.moe_expert_load_key(i): Mean(float(v)) for i, v in enumerate(share.mean(0))})
     return metrics
 
 

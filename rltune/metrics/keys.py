@@ -165,6 +165,17 @@ def restarts_key(role: str) -> str:
     return f"faults{SEP}{role}_restarts"
 
 
+MOE_LOAD_MAX = "moe/load_max"
+MOE_LOAD_MIN = "moe/load_min"
+MOE_EXPERT_LOAD = "moe/expert_load"
+
+
+def moe_expert_load_key(expert: int) -> str:
+    """``moe/load/eI``: expert I's share of its layer's routing choices, times the number
+    of experts."""
+    return f"moe{SEP}load{SEP}e{expert}"
+
+
 def perf_reward_calls_key(name: str) -> str:
     """``perf/reward_calls/NAME``: calls made to reward function NAME."""
     return f"perf{SEP}reward_calls{SEP}{name}"
