@@ -312,7 +312,7 @@ def test_the_page_gets_its_metric_names_from_the_server(tmp_path: Path, start) -
     assert [key for key, _ in answer["time_phases"]] == [
         "time/generate", "time/score", "time/experience", "time/learn", "time/sync"]
     # the page names no metric key itself: every series key comes from the answer above
-    script = (STATIC_DIR / "app.js").read_text()
+    script = "\n".join(p.read_text() for p in sorted(STATIC_DIR.glob("*.js")))
     names = {v for v in answer.values() if isinstance(v, str) and v != answer["sep"]}
     nested = {n for n in names if "/" in n} | {key for key, _ in answer["time_phases"]}
     nested.add(answer["reward"] + answer["sep"])
@@ -433,12 +433,13 @@ def test_the_page_loads_nothing_from_elsewhere() -> None:
     page = (STATIC_DIR / "index.html").read_text()
     references = re.findall(r'(?:src|href)="([^"]*)"', page)
     assert references == ["/static/favicon.svg", "/static/vendor/uplot/uPlot.min.css", "/static/app.css",
-                          "/static/vendor/uplot/uPlot.iife.min.js", "/static/app.js",
+                          "/static/vendor/uplot/uPlot.iife.min.js", "/static/charts.js",
+                          "/static/rollouts.js", "/static/app.js",
                           "#charts", "#rollouts", "#config"]
     for reference in references:
         if reference.startswith("/static/"):
             assert (STATIC_DIR / reference.removeprefix("/static/")).is_file(), reference
-    for name in ("index.html", "app.js", "app.css"):
+    for name in ("index.html", "app.js", "charts.js", "rollouts.js", "app.css"):
         text = (STATIC_DIR / name).read_text()
         assert not re.search(r"https?:|//[a-z0-9.-]+\.[a-z]{2,}/", text, re.IGNORECASE), name
 
