@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rltune.config.parallel import MoeConfig, ParallelConfig
 from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
 
 
@@ -64,6 +65,7 @@ class ModelConfig(_Section):
     """Run model code shipped inside the model directory. Off unless you trust it."""
     router_aux_loss_coef: float | None = None
     """MoE models: weight of the router load-balancing loss; None uses the model config's."""
+    moe: MoeConfig = MoeConfig()
     critic_path: str | None = None
     """PPO: the causal LM whose body the critic starts from; None uses ``path``."""
     lora: LoraConfig | None = None
@@ -283,6 +285,8 @@ class TrainConfig(_Section):
     seed: int = 0
     threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    parallel: ParallelConfig = ParallelConfig()
+    """The learner group's layout (``rltune/config/parallel.py``)."""
 
 
 class WandbConfig(_Section):

@@ -1,0 +1,57 @@
+"""Config sections for models bigger than one device: the learner group's layout
+(``train.parallel``) and MoE options (``model.moe``). Imports no torch.
+
+See ``docs/parallel.md``; ``rltune.parallel.layout`` checks a layout against the world
+size and the model before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParallelConfig(_Section):
+    """The learner group as one DeviceMesh of ``pp x dp_replicate x dp_shard x ep x tp``
+    ranks; the product is the group's size (``runtime.placement.learners`` on Ray, the
+    number of processes under torchrun)."""
+
+    dp_replicate: int = Field(1, ge=1)
+    """Data-parallel replicas: each holds the whole (tp/pp/ep-sharded) model and its own
+    rows; gradients are all-reduced (DDP; HSDP together with ``dp_shard``)."""
+    dp_shard: int | Literal["auto"] = "auto"
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2);
+    ``auto``: what is left of the world after the other degrees."""
+    tp: int = Field(1, ge=1)
+    """Tensor parallelism: attention heads, MLP columns and the vocabulary split over this
+    many ranks, which see the same rows."""
+    pp: int = Field(1, ge=1)
+    """Pipeline stages: the layers split into this many consecutive stages."""
+    ep: int = Field(1, ge=1)
+    """Expert parallelism (MoE models): the experts split over this many ranks, tokens sent
+    to their experts by all-to-all; the ranks train on different rows (data parallel for
+    every weight but the experts)."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule with ``pp`` > 1: GPipe (every forward, then every backward) or
+    1F1B (interleaved; fewer activations held)."""
+    sequence_parallel: bool = False
+    """With ``tp`` > 1: the norms and residual stream sharded over the sequence between
+    the tensor-parallel regions (less activation memory, the same result)."""
+
+
+class MoeConfig(_Section):
+    """MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE): how experts run and are routed."""
+
+    routing_replay: Literal["off", "rollout"] = "off"
+    """``rollout``: the generator records which experts each token was routed to, and the
+    learner's forward routes through those experts instead of recomputing the choice
+    (the policy gradient is taken through the experts that produced the sample)."""
+    aux_free_bias: float = Field(0.0, ge=0)
+    """Auxiliary-loss-free load balancing: after each step every expert's routing bias
+    moves by this much toward an even load (0: off). The bias changes which experts are
+    chosen, not their weights."""
