@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from rltune.algos import Algorithm
 from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.config.schema import AlgoConfig
@@ -89,6 +91,8 @@ class Experience:
     roles: RunRoles
 
     def __call__(self, rollouts: list[Rollout], metrics: Aggregator, clock: StepClock) -> TrainBatch:
+        if not rollouts:  # DAPO dropped every group: the step learns nothing (learn/empty_batch)
+            return _empty_batch()
         r = self.roles
         batch, made = make_experience(
             rollouts, algorithm=self.algorithm, algo=self.algo, pad_id=self.pad_id,
@@ -100,6 +104,12 @@ class Experience:
         metrics.add(rollout_metrics(rollouts, self.algo.group_size, accuracy=accuracy))
         metrics.add(staleness_metrics(rollouts, r.learner.version))
         return batch
+
+
+def _empty_batch() -> TrainBatch:
+    """A batch of no rows, which the step reports as ``learn/empty_batch``."""
+    none = torch.zeros(0, 0, dtype=torch.long)
+    return TrainBatch(input_ids=none, attention_mask=none, prompt_len=0, loss_mask=torch.zeros(0, 0))
 
 
 class _InTurn:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
@@ -65,3 +66,25 @@ def test_refill_rounds_run_and_every_learned_group_has_spread(
             assert len({s["prompt_id"] for s in group}) == 1, (step, g)
             rewards = [s["reward"] for s in group]
             assert max(rewards) > min(rewards), (step, g, rewards)
+
+
+def test_a_step_whose_every_group_is_dropped_learns_nothing_and_says_so(
+        tiny_grpo_config, tmp_path: Path) -> None:
+    """A reward that never varies within a group (every prompt already solved, or none
+    solvable) leaves DAPO nothing to learn on after its refill rounds: the step is empty,
+    reported as ``learn/empty_batch``, and the run goes on with its weights unchanged."""
+    reward_file = tmp_path / "flat.py"
+    reward_file.write_text("def flat(prompt, completion, **meta):\n    return 1.0\n")
+    cfg = tiny_grpo_config(
+        "algo.name=dapo", "algo.group_size=4", "train.prompts_per_step=2", "train.steps=2",
+        "train.threads=1", "algo.max_refill_rounds=1", "rollout.max_new_tokens=4",
+        f"reward.0.fn={reward_file}:flat")
+    run = build_run(cfg)
+    before = {k: v.clone() for k, v in run.roles.learner.model.state_dict().items()}
+    history = train(run)
+
+    assert [m["learn/empty_batch"] for m in history] == [1.0, 1.0]
+    assert [m["groups/kept_frac"] for m in history] == [0.0, 0.0]
+    assert [m["groups/refill_rounds"] for m in history] == [1.0, 1.0]
+    after = run.roles.learner.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
