@@ -12,7 +12,7 @@ from rltune.data.records import TrainBatch
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
-from rltune.learner.parallel import NoParallelism, Parallelism
+from rltune.learner.parallel import NoParallelism, Parallelism, StepPlan
 from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Histogram, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
@@ -68,6 +68,31 @@ class LocalLearner:
         micro = split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit)
         plan = self.parallelism.agree(len(batch), len(micro), self.objective.denominator(batch))
         self.train_module.train()
+        pipe = getattr(self.parallelism, "pipeline", None)
+        if pipe is not None:  # the stages run the micro-batches; the loss is the last stage's
+            total_loss, parts = pipe.train(micro, plan.forwards, self.objective, plan.denominator,
+                                           temperature=self.temperature, autocast=self._autocast,
+                                           aux_loss_coef=self.aux_loss_coef if self.moe else 0.0)
+            load = None
+        else:
+            total_loss, load, parts = self._accumulate(batch, micro, plan)
+        # a loss, and each named part of it (``loss/...``), is the sum of its micro-batch
+        # parts; across steps and updates it is averaged
+        measured = {k: Mean(m.value) if keys.is_loss_part_key(k) and isinstance(m, Sum) else m
+                    for k, m in parts.items()}
+        measured[keys.LOSS] = Mean(float(total_loss))
+        measured[keys.TOKENS] = Sum(float(batch.loss_mask.sum()))
+        applied = self._apply_gradients()  # the same on every rank: not combined
+        result = {**self.parallelism.all_reduce_metrics(measured), **applied}
+        if load is not None:
+            result.update(expert_load_metrics(self.parallelism.sum(load)))
+        return result
+
+    def _accumulate(self, batch: TrainBatch, micro: list[TrainBatch], plan: StepPlan
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Metric]]:
+        """Forward and backward of every micro-batch in this process (then padding
+        forwards up to ``plan.forwards``); returns the summed loss, the MoE routing counts
+        and the step's metrics."""
         agg = Aggregator()
         total_loss = load = None
         for index in range(plan.forwards):
@@ -79,17 +104,7 @@ class LocalLearner:
             total_loss = loss if total_loss is None else total_loss + loss
             if mb_load is not None:
                 load = mb_load if load is None else load + mb_load
-        # a loss, and each named part of it (``loss/...``), is the sum of its micro-batch
-        # parts; across steps and updates it is averaged
-        measured = {k: Mean(m.value) if keys.is_loss_part_key(k) and isinstance(m, Sum) else m
-                    for k, m in agg.result().items()}
-        measured[keys.LOSS] = Mean(float(total_loss))
-        measured[keys.TOKENS] = Sum(float(batch.loss_mask.sum()))
-        applied = self._apply_gradients()  # the same on every rank: not combined
-        result = {**self.parallelism.all_reduce_metrics(measured), **applied}
-        if load is not None:
-            result.update(expert_load_metrics(self.parallelism.sum(load)))
-        return result
+        return total_loss, load, agg.result()
 
     def _learn(self, mb: TrainBatch, denominator: torch.Tensor, rows: int,
                agg: Aggregator) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,6 +153,12 @@ class LocalLearner:
         chunks = -(-len(batch) // chunk_rows(batch, self.cfg.micro_batch_tokens))
         plan = self.parallelism.agree(len(batch), chunks, None)
         self.model.eval()
+        pipe = getattr(self.parallelism, "pipeline", None)
+        if pipe is not None:  # forward only through the stages; every rank gets the result
+            rows = chunk_rows(batch, self.cfg.micro_batch_tokens)
+            chunks = [batch.select(slice(i, i + rows)) for i in range(0, len(batch), rows)]
+            return pipe.predict(chunks, plan.forwards, forward, field,
+                                temperature=self.temperature, autocast=self._autocast)
         out = predict(
             self.model, forward, batch, field,
             budget=self.cfg.micro_batch_tokens, temperature=self.temperature, autocast=self._autocast,
