@@ -29,6 +29,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from rltune.models.experts import ExpertsLayoutError, use_grouped_experts
 from rltune.models.safetensors_io import bad_files
 from rltune.models.tiny import TINY_FORMAT_VERSION, TINY_SPECS, build_tiny
 
@@ -112,6 +113,8 @@ def load_model(
     ``config.json`` naming an architecture this transformers knows (or remote code that
     is allowed) with a causal-LM head, and holds weights; and, after loading, that no
     weight was missing (transformers would otherwise initialise it at random, silently).
+    A mixture-of-experts model's experts are switched to rltune's grouped compute
+    (:func:`~rltune.models.experts.use_grouped_experts`, logged).
     """
     if dtype not in DTYPES:
         raise ModelLoadError(
@@ -140,6 +143,13 @@ def load_model(
             raise hf_load_error(err, directory, "the model") from err
         _check_loading_info(info, directory)
         held.release()
+    if is_moe(model):
+        # transformers' experts run a Python loop over experts under `eager`: switch every
+        # MoE model rltune loads (policy, reference, critic, generator) to the grouped compute.
+        try:
+            use_grouped_experts(model)
+        except ExpertsLayoutError as err:
+            raise ModelLoadError(f"the model in {directory}: {err}") from err
     return model
 
 
