@@ -156,7 +156,7 @@ class NoParallelism:
 
 
 def agree_over_ranks(rows: int, forwards: int, denominator: torch.Tensor | None, *,
-                     device: torch.device, lockstep: bool) -> StepPlan:
+                     device: torch.device, lockstep: bool, group: Any = None) -> StepPlan:
     """:meth:`Parallelism.agree` of a data-parallel group, in one ``all_gather`` of
     ``(rows, forwards, denominator)``.
 
@@ -164,15 +164,16 @@ def agree_over_ranks(rows: int, forwards: int, denominator: torch.Tensor | None,
     the ranks' gradients, so that the average is the sum), in float64 and then in the
     local denominator's dtype; it stays on the device. The counts come to the host, the
     one host sync of the plan: they decide how many forwards run. ``lockstep``: every
-    rank runs as many forwards as the busiest rank (FSDP2 gathers parameters in each)."""
-    world = dist.get_world_size()
+    rank runs as many forwards as the busiest rank (FSDP2 gathers parameters in each).
+    ``group``: the ranks that train on different rows (None: the whole world)."""
+    world = dist.get_world_size(group)
     mine = torch.zeros(3, dtype=torch.float64, device=device)
     mine[0].fill_(rows)  # a fill on the device, not a copy from the host
     mine[1].fill_(forwards)
     if denominator is not None:
         mine[2] = denominator.detach().to(device=device, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
+    dist.all_gather(every, mine, group=group)
     table = torch.stack(every)  # [world, 3]
     rows_per, forwards_per = ([int(v) for v in column] for column in table[:, :2].T.tolist())
     if min(rows_per) == 0:
@@ -304,9 +305,15 @@ class FSDP2:
                 for k, v in model.state_dict().items()}
 
 
-def make_parallelism(strategy: str, device: torch.device | None = None) -> Parallelism:
-    """The strategy named ``strategy`` (one of :data:`STRATEGIES`); ``device`` None: the
-    group's (``cuda:LOCAL_RANK`` with NCCL, else the CPU)."""
+def make_parallelism(strategy: Any, device: torch.device | None = None) -> Parallelism:
+    """The strategy named ``strategy`` (one of :data:`STRATEGIES`), or a
+    :class:`~rltune.parallel.layout.Layout`'s :class:`~rltune.parallel.strategy.MeshParallelism`
+    (its mesh built here: every rank calls this together); ``device`` None: the group's
+    (``cuda:LOCAL_RANK`` with NCCL, else the CPU)."""
+    if not isinstance(strategy, str):
+        from rltune.parallel.strategy import MeshParallelism
+
+        return MeshParallelism(strategy, device=device)
     if strategy == "none":
         return NoParallelism()
     if strategy == "ddp":

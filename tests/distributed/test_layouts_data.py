@@ -1,0 +1,90 @@
+"""Data-parallel layouts of the learner mesh (``rltune.parallel``) train the built-in tiny
+model as one process does on the whole batch: the same loss and gradient norm at each of
+two optimizer steps, and the same weights after them.
+
+Tolerances (as in test_learner_group.py). Everything runs in fp32. A layout's gradient is
+the same sum as one process's in another order (each rank's micro-batches, then the
+ranks' reduce-scatter or all-reduce), so gradient components differ by fp32 rounding,
+~1e-7 relative. Adam's eps is 1e-3 (layout_workers), so its slope is <= lr/eps = 1 and
+that rounding moves parameters by < 1e-7 per step: PARAM_ATOL = 1e-6 after two steps,
+while a step moves them by ~1e-3. Loss and gradient norm are sums of the same fp32
+numbers in another order: rel 1e-5. The control (each rank normalising by its own
+shard's token count) moves the weights by far more than PARAM_ATOL.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layout_workers import reference, several
+
+from rltune.learner.launch import spawn_learner_group
+from rltune.models.load import load_model, resolve_model
+
+PARAM_ATOL = 1e-6
+TWO_RANKS = [({"dp_shard": 2}, None), ({"dp_replicate": 2}, None), ({"dp_shard": 2}, "local_denominator")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``builtin:tiny`` built once; every process loads it from this directory."""
+    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: str) -> dict:
+    return reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: str) -> list[list[dict]]:
+    """Two ranks: dp_shard=2, dp_replicate=2 and the control, one after the other."""
+    return spawn_learner_group(2, several, model_dir, TWO_RANKS, backend="gloo", timeout_s=300)
+
+
+@torch.no_grad()
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def assert_equals_reference(ranks: list[dict], single: dict, initial: dict[str, torch.Tensor]) -> None:
+    """Every rank: the reference's loss and grad norm at each step, its weights after the
+    last, and the same full weights as rank 0."""
+    assert max_abs_diff(single["params"], initial) > 100 * PARAM_ATOL  # the steps moved the weights
+    for rank in ranks:
+        assert rank["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert rank["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
+        assert max_abs_diff(rank["params"], single["params"]) <= PARAM_ATOL
+        assert max_abs_diff(rank["params"], ranks[0]["params"]) == 0.0
+        assert rank["metrics"] == ranks[0]["metrics"]  # every rank reports the group's metrics
+
+
+@pytest.fixture(scope="module")
+def initial(model_dir: str) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in load_model(model_dir).state_dict().items()}
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["dp_shard=2", "dp_replicate=2"])
+def test_two_rank_layout_equals_one_process(index: int, two_ranks: list[list[dict]], single: dict,
+                                            initial: dict) -> None:
+    ranks = [rank[index] for rank in two_ranks]
+    assert [r["data_rank"] for r in ranks] == [0, 1] and {r["data_world"] for r in ranks} == {2}
+    assert_equals_reference(ranks, single, initial)
+
+
+def test_local_denominator_control_fails(two_ranks: list[list[dict]], single: dict) -> None:
+    """Control: per-shard denominators move the weights far beyond the tolerance."""
+    control = two_ranks[0][2]
+    assert max_abs_diff(control["params"], single["params"]) > 50 * PARAM_ATOL
+    assert control["grad_norm"][0] != pytest.approx(single["grad_norm"][0], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_hsdp_two_by_two_equals_one_process(model_dir: str, single: dict, initial: dict) -> None:
+    """dp_replicate=2 x dp_shard=2 (4 processes): HSDP, shards of 2 rows each."""
+    out = spawn_learner_group(4, several, model_dir, [({"dp_replicate": 2, "dp_shard": 2}, None)],
+                              backend="gloo", timeout_s=600)
+    ranks = [rank[0] for rank in out]
+    assert [r["data_rank"] for r in ranks] == [0, 1, 2, 3]
+    assert_equals_reference(ranks, single, initial)
