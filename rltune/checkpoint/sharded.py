@@ -1,0 +1,245 @@
+"""Sharded checkpoints of a learner group (``torch.distributed.checkpoint``, DCP): every
+rank writes the shards it holds, none gathers the model; a checkpoint written by one
+layout loads into any other, or into one process.
+
+Why it reshards: DCP names every tensor by its fully-qualified name in the *unwrapped*
+model (``model.layers.0.self_attn.q_proj.weight``) and records, for each saved chunk,
+where it sits in the full tensor. A loading rank asks for the region its own layout
+holds (a row block under FSDP2, a column block under tensor parallelism, the whole
+tensor in one process) and DCP reads the overlapping pieces of whichever chunks cover
+it. Names must therefore not depend on the layout: pipeline stages and expert
+parallelism keep the original module names (a stage deletes the layers it does not
+run; it does not renumber the ones it keeps).
+
+On disk, ``DIR/`` holds one safetensors file per writing rank
+(``HuggingFaceStorageWriter`` with ``save_distributed``): each file's header records
+its tensors' offsets in the full tensor, and the reader rebuilds the layout from those
+headers. No pickle anywhere (the default ``FileSystemWriter`` pickles its
+``.metadata``). Only tensors go through DCP; the optimizer's hyperparameters and any
+non-tensor state are JSON (:func:`save_sharded` returns them for ``state.json``).
+
+Names inside DCP: ``model.<fqn>`` for the weights, ``optimizer.<fqn>.<name>`` for each
+parameter's optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from rltune.checkpoint.store import CheckpointError, check_json
+from rltune.models.lora import is_lora
+
+FORMAT = "dcp"
+"""``meta[...model]["format"]`` of a sharded checkpoint (beside ``full`` and
+``lora-adapters`` of :mod:`rltune.checkpoint.model`)."""
+MODEL = "model."
+OPTIMIZER = "optimizer."
+_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
+
+
+def refuse_lora(model: torch.nn.Module, where: str) -> None:
+    """A LoRA model's checkpoint holds only its adapters and a fingerprint of the frozen
+    base (:mod:`rltune.checkpoint.model`); a sharded model cannot give that fingerprint
+    without gathering the base, so sharded LoRA checkpoints are refused, here, clearly."""
+    if is_lora(model):
+        raise CheckpointError(
+            f"{where}: sharded checkpoints of a LoRA model are not supported (its checkpoint holds the "
+            "adapters and a fingerprint of the frozen weights, which a sharded model cannot give); train "
+            "LoRA with train.parallel all 1 but dp_replicate, or runtime.placement.learner_strategy: ddp"
+        )
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict[str, Any]:
+    """Write ``model``'s weights and ``optimizer``'s state into ``directory`` with DCP;
+    every rank of the group calls it together (one process: alone). Each rank writes
+    only what it holds; tensors replicated over ranks are written once.
+
+    Returns the JSON part (the same on every rank): ``{"format": "dcp",
+    "param_groups": [...], "state": {fqn: {non-tensor entries}}, "stepped": bool}``,
+    param groups listing parameters by name. ``stepped`` False: saved before the first
+    optimizer step, with no optimizer state (gathering it would make torch initialise one
+    with a zero-gradient step, which changes AdamW's step count).
+    """
+    refuse_lora(model, str(directory))
+    tensors = {MODEL + k: v for k, v in get_model_state_dict(model).items()}
+    meta: dict[str, Any] = {"format": FORMAT, "stepped": bool(optimizer.state), "state": {}}
+    if optimizer.state:
+        optim = get_optimizer_state_dict(model, optimizer)
+        for fqn, entries in optim["state"].items():
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{OPTIMIZER}{fqn}.{name}"] = value
+                else:
+                    meta["state"].setdefault(fqn, {})[name] = check_json(value, where=f"optimizer state {fqn}.{name}")
+    meta["param_groups"] = _groups_by_name(model, optimizer)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
+    return meta
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
+                 meta: Mapping[str, Any]) -> None:
+    """Load what :func:`save_sharded` wrote into ``model`` and ``optimizer``, built as the
+    saved ones (same parameter names, same optimizer class and groups) under any layout;
+    every rank calls it together. Each rank reads the regions of the saved chunks its
+    own shards cover.
+
+    Raises CheckpointError naming the checkpoint when a parameter or optimizer entry is
+    missing from it, or when shapes differ from the model's."""
+    where = str(directory)
+    refuse_lora(model, where)
+    _check_format(meta, where)
+    saved = stored_shapes(directory)
+    model_sd = get_model_state_dict(model)
+    _check_against(saved, {MODEL + k: v for k, v in model_sd.items()}, where, "weights")
+    target: dict[str, Any] = {MODEL + k: v for k, v in model_sd.items()}
+    optim_sd = None
+    if meta["stepped"]:
+        optim_sd = get_optimizer_state_dict(model, optimizer)
+        optim_target = {f"{OPTIMIZER}{fqn}.{name}": v for fqn, entries in optim_sd["state"].items()
+                        for name, v in entries.items() if isinstance(v, torch.Tensor)}
+        _check_against(saved, optim_target, where, "optimizer state")
+        target.update(optim_target)
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _in_group())
+    set_model_state_dict(model, {k[len(MODEL):]: v for k, v in target.items() if k.startswith(MODEL)})
+    if optim_sd is not None:
+        _set_optimizer(model, optimizer, optim_sd, target, meta)
+    else:
+        optimizer.state.clear()
+    _restore_groups(model, optimizer, meta, where)
+
+
+def read_full(directory: Path, *, prefix: str = MODEL) -> dict[str, torch.Tensor]:
+    """The full tensors under ``prefix`` (``model.``: the weights, names without the
+    prefix) of a sharded checkpoint, read in this process alone (no process group, DCP's
+    ``no_dist``): a full-size tensor is allocated for each and every saved chunk copied in.
+    What ``rltune export`` and a one-process look at a checkpoint use."""
+    shapes = stored_shapes(directory)
+    target = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()
+              if name.startswith(prefix)}
+    if not target:
+        raise CheckpointError(f"{directory}: the sharded checkpoint holds no tensor named {prefix}*")
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)
+    return {name[len(prefix):]: tensor for name, tensor in target.items()}
+
+
+def stored_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Full shape and dtype of every tensor the sharded checkpoint in ``directory`` holds,
+    from its files' headers (nothing else is read)."""
+    return {name: (tuple(md.size), md.properties.dtype) for name, md in _metadata(directory).items()}
+
+
+def chunk_counts(directory: Path) -> dict[str, int]:
+    """How many saved chunks make up each tensor: 1 for one written whole by one rank,
+    more for one written in shards."""
+    return {name: len(md.chunks) for name, md in _metadata(directory).items()}
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The per-rank files of a sharded checkpoint, in name order."""
+    return sorted(p for p in Path(directory).iterdir() if _SHARD_FILE.fullmatch(p.name))
+
+
+def _in_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _metadata(directory: Path) -> dict[str, Any]:
+    directory = Path(directory)
+    if not directory.is_dir() or not shard_files(directory):
+        raise CheckpointError(f"{directory} is not a sharded checkpoint (no shard-*.safetensors files in it)")
+    return HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+
+
+def _groups_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's param groups as JSON, each parameter by its name in ``model``."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        plain = {k: v for k, v in group.items() if k != "params"}
+        plain = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in plain.items()}
+        plain["params"] = [name_of[id(p)] for p in group["params"]]
+        groups.append(check_json(plain, where=f"optimizer param_groups[{index}]"))
+    return groups
+
+
+def _check_format(meta: Mapping[str, Any], where: str) -> None:
+    if meta.get("format") != FORMAT or not {"stepped", "param_groups", "state"} <= set(meta):
+        raise CheckpointError(f"{where}: the optimizer meta is not that of a sharded ({FORMAT}) checkpoint")
+
+
+def _check_against(saved: Mapping[str, tuple], live: Mapping[str, torch.Tensor], where: str, what: str) -> None:
+    """Every live entry must be saved with its full shape (a DTensor's ``shape`` is the
+    full one)."""
+    missing = sorted(set(live) - set(saved))
+    if missing:
+        raise CheckpointError(
+            f"{where}: the sharded checkpoint lacks {len(missing)} {what} entr(ies) of this model, e.g. "
+            f"{missing[:3]}; resume with the model (and `model.lora`) of the run that saved it"
+        )
+    for name, tensor in live.items():
+        shape, dtype = saved[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointError(
+                f"{where}: {name} is saved as {dtype} {shape} but this model has {tensor.dtype} "
+                f"{tuple(tensor.shape)}; set `model.dtype` as in the run that saved it"
+            )
+
+
+def _set_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict,
+                   target: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    """The loaded tensors (and the JSON entries) back into ``optimizer`` by name."""
+    state = {}
+    for fqn, entries in optim_sd["state"].items():
+        state[fqn] = {name: target[f"{OPTIMIZER}{fqn}.{name}"] if isinstance(v, torch.Tensor) else v
+                      for name, v in entries.items()}
+        state[fqn].update(meta["state"].get(fqn, {}))
+    loaded = {"state": state, "param_groups": optim_sd["param_groups"]}
+    set_optimizer_state_dict(model, optimizer, loaded, options=StateDictOptions(strict=True))
+
+
+def _restore_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: Mapping[str, Any],
+                    where: str) -> None:
+    """The saved hyperparameters (learning rate, betas, ...) into the live groups, which
+    must hold the same parameters; tuples kept as the live ones are (JSON has lists)."""
+    names = _groups_by_name(model, optimizer)
+    if [g["params"] for g in names] != [g["params"] for g in meta["param_groups"]]:
+        raise CheckpointError(f"{where}: the optimizer's parameter groups differ from the saved ones")
+    for live, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            current = live.get(key)
+            if isinstance(current, tuple):
+                value = tuple(value)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            else:
+                live[key] = value
+
+
+__all__ = [
+    "FORMAT",
+    "chunk_counts",
+    "load_sharded",
+    "read_full",
+    "refuse_lora",
+    "save_sharded",
+    "shard_files",
+    "stored_shapes",
+]

@@ -1,0 +1,236 @@
+"""Sharded (DCP) checkpoints of a learner group (``rltune/checkpoint/sharded.py``): two real
+processes (gloo, CPU) on the built-in tiny model.
+
+* Exact resume: a group that saves after its first step and a fresh group that loads
+  that checkpoint take the same second step, to the bit (same layout, same arithmetic in
+  the same order: nothing may differ); a control that loads the weights but not the
+  optimizer state does not.
+* Resharding: written at tp=2, the checkpoint loads at dp_shard=2 (FSDP2) and into one
+  process with the same weights and optimizer state to the bit (loading copies bytes).
+  The second step taken there agrees with the tp=2 group's own second step within
+  PARAM_ATOL = 1e-6: the layouts add the same fp32 terms in another order (~1e-7
+  relative in the gradient), and with Adam's eps at 1e-3 (learner_group_workers.ADAM_EPS)
+  the update's slope in the gradient is at most lr/eps = 1, so parameters move apart by
+  about lr * 1e-7 relative, far below 1e-6; a step moves them by ~1e-3.
+* No rank holds the full model: each rank writes its own file, and every sharded weight
+  is saved as more than one chunk.
+* Export: the full weights read back in one process equal the group's weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from learner_group_workers import make_batch, make_learner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from rltune.checkpoint.sharded import chunk_counts, load_sharded, read_full, save_sharded, shard_files
+from rltune.checkpoint.store import CheckpointError
+from rltune.data.records import TrainBatch
+from rltune.learner.distributed import shard_batch
+from rltune.learner.launch import spawn_learner_group
+from rltune.learner.parallel import NoParallelism, make_parallelism
+from rltune.models.load import load_model, resolve_model
+
+PARAM_ATOL = 1e-6
+
+
+class TensorParallel(NoParallelism):
+    """Tensor parallelism over the whole group, by hand (``parallelize_module``): q/k/v and
+    gate/up split by output column, o/down by input row; every rank sees the same rows, so
+    plan, metrics and sums are one process's. Norm and clip over the sharded gradients."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh("cpu", (self.world,), mesh_dim_names=("tp",))
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in model.model.layers:
+            parallelize_module(layer, self.mesh, plan)
+        return model
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):
+                sharded += p.grad.to_local().double().pow(2).sum()
+            else:
+                replicated += p.grad.double().pow(2).sum()
+        dist.all_reduce(sharded)
+        norm = float((sharded + replicated).sqrt())
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return torch.tensor(norm)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+
+
+def build(model_dir: str, layout: str):
+    """A learner on a fresh model under ``layout`` (``tp``, ``fsdp2`` or ``none``)."""
+    parallelism = {"tp": TensorParallel, "fsdp2": lambda: make_parallelism("fsdp2"),
+                   "none": NoParallelism}[layout]()
+    learner = make_learner(load_model(model_dir), parallelism)
+    if layout == "tp":
+        # the fused and foreach kernels refuse a mix of DTensor (sharded) and plain
+        # (replicated) parameters; the one-tensor-at-a-time AdamW takes them
+        for group in learner.optimizer.param_groups:
+            group.update(fused=False, foreach=False)
+    return learner
+
+
+def rows_of(batch: TrainBatch, layout: str) -> TrainBatch:
+    """This rank's rows: its shard under data parallelism, the whole batch otherwise."""
+    if layout == "fsdp2":
+        return shard_batch(batch, dist.get_rank(), dist.get_world_size())
+    return batch
+
+
+def full_optimizer(learner) -> dict[str, torch.Tensor]:
+    """The optimizer state by ``fqn.name``, full tensors on every rank."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    state = get_optimizer_state_dict(learner.model, learner.optimizer, options=options)["state"]
+    return {f"{fqn}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+            for fqn, entries in state.items() for k, v in entries.items()}
+
+
+def weights(learner) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in learner.export_weights().items()}
+
+
+def save_then_resume(model_dir: str, batch: TrainBatch, layout: str, directory: str) -> dict:
+    """One rank: a learner takes a step, saves, takes its second step; a fresh learner
+    loads the checkpoint and takes the second step; a control loads only the weights."""
+    torch.set_num_threads(1)
+    rows = rows_of(batch, layout)
+    first = build(model_dir, layout)
+    first.step(rows)
+    saved = {"weights": weights(first), "optimizer": full_optimizer(first)}
+    meta = save_sharded(first.model, first.optimizer, Path(directory))
+    first.step(rows)
+    out = {"meta": meta, "saved": saved, "uninterrupted": weights(first)}
+    resumed = build(model_dir, layout)
+    load_sharded(resumed.model, resumed.optimizer, Path(directory), meta)
+    resumed.step(rows)
+    out["resumed"] = weights(resumed)
+    control = build(model_dir, layout)
+    load_sharded(control.model, control.optimizer, Path(directory), {**meta, "stepped": False})
+    control.step(rows)
+    out["weights_only"] = weights(control)
+    return out
+
+
+def load_then_step(model_dir: str, batch: TrainBatch, layout: str, directory: str, meta: dict) -> dict:
+    """One rank (or one process): load a checkpoint into ``layout``, report what was
+    loaded, take a step."""
+    torch.set_num_threads(1)
+    learner = build(model_dir, layout)
+    load_sharded(learner.model, learner.optimizer, Path(directory), meta)
+    out = {"weights": weights(learner), "optimizer": full_optimizer(learner)}
+    learner.step(rows_of(batch, layout))
+    out["stepped"] = weights(learner)
+    return out
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir: str) -> TrainBatch:
+    return make_batch(load_model(model_dir))
+
+
+@pytest.fixture(scope="module")
+def tp_run(model_dir: str, batch: TrainBatch, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    directory = tmp_path_factory.mktemp("tp") / "learner"
+    ranks = spawn_learner_group(2, save_then_resume, model_dir, batch, "tp", str(directory),
+                                backend="gloo", timeout_s=300)
+    return {"ranks": ranks, "dir": directory, "meta": ranks[0]["meta"]}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in any bit."""
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_resume_at_tp2_is_the_uninterrupted_run_to_the_bit(tp_run: dict) -> None:
+    for rank in tp_run["ranks"]:
+        assert same(rank["resumed"], rank["uninterrupted"]) == []
+        # the control: without the optimizer state the second step is another one
+        assert max_abs_diff(rank["weights_only"], rank["uninterrupted"]) > 1e-4
+
+
+def test_no_rank_writes_the_whole_model(tp_run: dict) -> None:
+    directory = tp_run["dir"]
+    assert len(shard_files(directory)) == 2
+    chunks = chunk_counts(directory)
+    # weights and Adam's moments of the split projections; Adam's step count is a scalar
+    sharded = [name for name in chunks if (".self_attn.q_proj." in name or ".mlp.down_proj." in name)
+               and not name.endswith(".step")]
+    assert sharded and all(chunks[name] == 2 for name in sharded), {n: chunks[n] for n in sharded if chunks[n] != 2}
+    # a replicated weight is written once, by one rank
+    assert chunks["model.model.norm.weight"] == 1
+    sizes = [f.stat().st_size for f in shard_files(directory)]
+    assert max(sizes) < 0.8 * sum(sizes)
+
+
+def test_read_full_in_one_process_is_the_groups_weights(tp_run: dict) -> None:
+    full = read_full(tp_run["dir"])
+    saved = tp_run["ranks"][0]["saved"]["weights"]
+    assert same(full, saved) == []
+
+
+# fsdp2 starts a second group (~20-50 s here); one process is the fast representative
+@pytest.mark.parametrize("layout", [pytest.param("fsdp2", marks=pytest.mark.slow), "none"])
+def test_tp2_checkpoint_loads_into_another_layout(layout: str, model_dir: str, batch: TrainBatch,
+                                                  tp_run: dict) -> None:
+    args = (model_dir, batch, layout, str(tp_run["dir"]), tp_run["meta"])
+    if layout == "none":
+        ranks = [load_then_step(*args)]
+    else:
+        ranks = spawn_learner_group(2, load_then_step, *args, backend="gloo", timeout_s=300)
+    saved, reference = tp_run["ranks"][0]["saved"], tp_run["ranks"][0]["uninterrupted"]
+    for rank in ranks:
+        assert same(rank["weights"], saved["weights"]) == []
+        assert same(rank["optimizer"], saved["optimizer"]) == []
+        assert max_abs_diff(rank["stepped"], reference) < PARAM_ATOL
+
+
+def test_loading_another_models_checkpoint_names_what_differs(tp_run: dict, tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(CheckpointError, match="lacks .* weights entr"):
+        load_sharded(model, optimizer, tp_run["dir"], tp_run["meta"])
+    with pytest.raises(CheckpointError, match="not a sharded checkpoint"):
+        read_full(tmp_path)
