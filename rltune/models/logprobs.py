@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rltune.models.load import is_moe
+from rltune.parallel.tensor import vocab_parallel_token_stats, vocab_shard
 
 
 @dataclass
@@ -118,12 +119,27 @@ def completion_logprobs(
         )
     logits = out.logits[:, :-1].float() / temperature  # [B, C, V]
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
-    zero = logits.new_zeros(())
-    logprobs = torch.where(valid, token_logprobs(logits, input_ids[:, prompt_len:]), zero)
-    entropy = torch.where(valid, entropy_from_logits(logits), zero) if with_entropy else None
+    logprobs, entropy = _token_stats(logits, input_ids[:, prompt_len:], valid, with_entropy)
     aux_loss = out.aux_loss if extra else None
     load = expert_load(model, out.router_logits, attention_mask) if extra else None
     return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss, expert_load=load)
+
+
+def _token_stats(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and (no-grad) entropy, 0 where not ``valid``; logits that a
+    tensor-parallel ``lm_head`` left split over the vocabulary are read shard by shard
+    (:func:`rltune.parallel.tensor.vocab_parallel_token_stats`), never gathered."""
+    zero = torch.zeros((), dtype=torch.float32, device=valid.device)
+    sharded = vocab_shard(logits)
+    if sharded is None:
+        logprobs = token_logprobs(logits, targets)
+        entropy = entropy_from_logits(logits) if with_entropy else None
+    else:
+        local, group, start = sharded
+        logprobs, entropy = vocab_parallel_token_stats(local, targets, group, start, with_entropy=with_entropy)
+    entropy = torch.where(valid, entropy.detach(), zero) if with_entropy else None
+    return torch.where(valid, logprobs, zero), entropy
 
 
 @torch.no_grad()
