@@ -26,6 +26,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.metrics.report import ReportError
     from rltune.models.load import ModelLoadError
     from rltune.models.safetensors_io import TensorFileError
+    from rltune.parallel.layout import LayoutError
     from rltune.rewards.loading import RewardLoadError
     from rltune.runtime.reward_errors import RewardErrorLimit
     from rltune.runtime.sinks import SinkError
@@ -33,15 +34,17 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
-        RewardErrorLimit,
+        RewardErrorLimit, LayoutError,
     )
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from rltune.config import config_base_dir, load_config
+    from rltune.parallel.layout import run_layout
     from rltune.runtime.local import run_local
 
     cfg = load_config(args.config, args.overrides)
+    run_layout(cfg)  # an impossible learner layout is refused before any model is loaded
     _quiet_transformers()
     if cfg.runtime.mode == "ray":
         run = _train_on_ray(cfg, config_base_dir(args.config), console)

@@ -26,6 +26,7 @@ MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 DATA_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
 """The dims whose ranks train on different rows (the data rank is their flattened index)."""
 
+_WORLD_SOURCE = "runtime.placement.learners on Ray; WORLD_SIZE or 1 process locally"
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -108,7 +109,7 @@ def layout_problems(layout: Layout, world: int, model_config: Any) -> list[str]:
     if layout.world != world:
         problems.append(
             f"train.parallel: pp*dp_replicate*dp_shard*ep*tp = {'*'.join(map(str, layout.shape))} = {layout.world} "
-            f"ranks, but the learner group has {world} ({_world_source()}); make the product {world} "
+            f"ranks, but the learner group has {world} ({_WORLD_SOURCE}); make the product {world} "
             "(dp_shard: auto takes what the others leave)"
         )
     if layout.sequence_parallel and layout.tp == 1:
@@ -123,13 +124,16 @@ def _model_problems(layout: Layout, config: Any) -> list[str]:
     """The problems of ``layout`` that come from the model's shapes."""
     problems = []
     name = getattr(config, "model_type", "the model")
-    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
-        count = getattr(config, key, None)
-        if layout.tp > 1 and count is not None and count % layout.tp:
-            problems.append(
-                f"train.parallel.tp={layout.tp} does not divide {name}'s {key}={count} (tensor parallelism "
-                f"splits them evenly); choose tp among {_divisors(count)}"
-            )
+    counts = {key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads", "vocab_size")}
+    counts = {key: int(n) for key, n in counts.items() if n is not None}
+    uneven = {key: n for key, n in counts.items() if n % layout.tp}
+    if uneven:
+        common = [d for d in _divisors(min(counts.values())) if all(n % d == 0 for n in counts.values())]
+        problems.append(
+            f"train.parallel.tp={layout.tp} does not divide {name}'s "
+            f"{', '.join(f'{key}={n}' for key, n in uneven.items())} (tensor parallelism splits the heads "
+            f"and the vocabulary evenly); choose tp among {common}"
+        )
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and layout.pp > layers:
         problems.append(f"train.parallel.pp={layout.pp} stages, but {name} has {layers} layers (each stage needs "
@@ -200,10 +204,6 @@ def run_layout(cfg: Any) -> Layout:
     layout = layout_for(cfg, world)
     trust = bool(getattr(cfg.model, "trust_remote_code", False))
     return check_layout(layout, world, model_config_of(cfg.model.path, trust_remote_code=trust))
-
-
-def _world_source() -> str:
-    return "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "runtime.placement.learners, or 1 process locally"
 
 
 def _divisors(n: int) -> list[int]:
