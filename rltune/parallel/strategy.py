@@ -83,6 +83,9 @@ class MeshParallelism:
             from rltune.parallel.pipeline import apply_pipeline
 
             self.pipeline = apply_pipeline(model, self.mesh, layout)
+            # the stage is what runs forwards: it is the FSDP root (embeddings, final
+            # norm, head gathered by its hooks) and the schedule drives its reduction
+            root = self.pipeline.stage
         if layout.tp > 1:
             from rltune.parallel.tensor import apply_tensor_parallel
 
@@ -91,8 +94,8 @@ class MeshParallelism:
             from rltune.parallel.experts import apply_expert_parallel
 
             apply_expert_parallel(model, self.mesh["ep"])
-        self._data_parallel(model)
-        return model
+        self._data_parallel(root if layout.pp > 1 else model)
+        return root if layout.pp > 1 else model
 
     def _data_parallel(self, model: torch.nn.Module) -> None:
         """``fully_shard`` over the data mesh: the experts over their own mesh first (with
@@ -110,6 +113,9 @@ class MeshParallelism:
             fully_shard(module, mesh=expert_mesh)
             # FSDP2 divides by its mesh's size; the ep ranks' sum needs ep more
             module.set_gradient_divide_factor(float(expert_mesh.size() * self.layout.ep))
+            # a factor other than the mesh size is a PREMUL_SUM reduction, which gloo lacks:
+            # sum, then divide
+            module.set_force_sum_reduction_for_comms(True)
         self._experts_by_hand = list(ignored)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dense, ignored_params=ignored or None)
@@ -138,7 +144,10 @@ class MeshParallelism:
                     if p.grad is not None:
                         _local(p.grad).div_(self.layout.ep)
         grads = [p.grad for p in params if p.grad is not None]
-        total = grad_norm(grads, pp_group=self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
+        # a tied embedding's copy on the last stage is counted once (the first stage's)
+        tied = self.pipeline.tied_copy if self.pipeline is not None else None
+        counted = [p.grad for p in params if p.grad is not None and p is not tied]
+        total = grad_norm(counted, pp_group=self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
         coef = max_norm / (float(total) + 1e-6)
         if math.isfinite(coef) and coef < 1.0:
             with torch.no_grad():

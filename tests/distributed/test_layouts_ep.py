@@ -11,14 +11,19 @@ over two gloo processes, tokens sent to their experts by all-to-all.
 Tolerances. Everything is fp32. (1) A token's expert output is the same per-row matmuls
 on either side (rows do not mix in a matmul), summed over the same k slots in the same
 order; only the grouping of rows into kernel calls differs, which can change the
-kernel's blocking: ATOL 1e-6 on outputs of size ~1e-1 (a few ulps). The expert
+kernel's blocking: LAYER_ATOL 1e-6 on outputs of size ~1e-1 (a few ulps). The expert
 gradients sum the same per-token products over another grouping of the tokens: ~N u
-relative with N ~ 50 summands, below 1e-5 relative. (2) The group's gradient is the
+relative with N ~ 50 summands, below GRAD_RTOL 1e-5. (2) The group's gradient is the
 same sum in another order (each rank sums its micro-batches, the ranks' sums are then
 added), ~1e-7 relative; with Adam's eps 1e-3 (tests/distributed/learner_group_workers.py
 ADAM_EPS) an update's slope to its gradient is <= lr/eps = 1, so parameters agree within
-PARAM_ATOL = 1e-6 after two steps, while one step moves them by ~1e-3 and the two
-deliberate mistakes below move them by >= 1e-4 (measured in the controls).
+PARAM_ATOL = 1e-6 after two steps (measured: 7.5e-9), while the steps move them by
+1.4e-3; loss and grad norm to rel 1e-5 (measured: 3e-7). Controls (real mistakes):
+expert gradients not divided by ep (parameters 1.9e-4 away, first grad norm 4% high)
+and experts sliced at another rank's offset (0.13 away).
+
+The group tests take 40-60 s on two cores (each process imports torch and transformers,
+~15 s): the two-step ones are marked slow; the one-layer test is the default suite's.
 """
 
 from __future__ import annotations
@@ -26,11 +31,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from layout_workers import reference, two_steps
 from torch.distributed.device_mesh import init_device_mesh
 
 from rltune.learner.launch import spawn_learner_group
 from rltune.models.load import load_model, resolve_model
-from rltune.parallel.experts import ExpertParallelExperts, apply_expert_parallel
+from rltune.parallel.experts import (
+    EXPERT_WEIGHTS,
+    ExpertParallelExperts,
+    apply_expert_parallel,
+    expert_parameters,
+    experts_modules,
+)
+from rltune.parallel.strategy import MeshParallelism
 
 PARAM_ATOL = 1e-6
 LAYER_ATOL = 1e-6
@@ -124,3 +137,91 @@ def test_one_layer_keeps_its_block_of_experts(layer_group: list[dict]) -> None:
     for rank, got in enumerate(layer_group):
         assert got["first_expert"] == 2 * rank
         assert got["local_shape"] == [2, 512, 128]
+
+
+# ----------------------------------------------------------------------------- two steps
+
+EP2 = {"dp_shard": 1, "ep": 2}
+"""Two ranks, each with half of the experts, training on different rows."""
+
+
+class NoExpertDivide(MeshParallelism):
+    """Control (a real mistake): the experts' gradients are not divided by ep, so they are
+    the sum over the ep ranks of gradients already scaled for an average."""
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        wrapped = super().wrap(model)
+        for param in expert_parameters(model):
+            param.register_hook(lambda grad, ep=self.layout.ep: grad * ep)  # undoes the division
+        return wrapped
+
+
+class WrongExpertOffset(MeshParallelism):
+    """Control (a real mistake): each rank keeps the block of experts of the rank before
+    it (the weights are sliced at the wrong offset, the dispatch is right)."""
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            for _, _, experts in experts_modules(model):
+                local = experts.gate_up_proj.shape[0] // self.layout.ep
+                for name in EXPERT_WEIGHTS:
+                    getattr(experts, name).copy_(getattr(experts, name).roll(local, dims=0))
+        return super().wrap(model)
+
+
+def ep_runs(model_path: str) -> list[dict]:
+    """One rank: two steps at ep=2, then each control."""
+    return [two_steps(model_path, EP2, parallelism_factory=factory)
+            for factory in (None, NoExpertDivide, WrongExpertOffset)]
+
+
+@pytest.fixture(scope="module")
+def ep_group() -> list[list[dict]]:
+    return spawn_learner_group(2, ep_runs, "builtin:tiny-moe", backend="gloo", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return reference("builtin:tiny-moe")
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_two_steps_at_ep2_equal_one_process(ep_group: list[list[dict]], single: dict) -> None:
+    for rank in (0, 1):
+        run = ep_group[rank][0]
+        assert (run["data_rank"], run["data_world"]) == (rank, 2)  # different rows on each ep rank
+        assert run["params"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 512, 128)
+        assert max_abs_diff(run["params"], single["params"]) < PARAM_ATOL
+        for got, want in zip(run["loss"] + run["grad_norm"], single["loss"] + single["grad_norm"]):
+            assert got == pytest.approx(want, rel=1e-5)
+    moved = max_abs_diff(single["params"], reference("builtin:tiny-moe", steps=0)["params"])
+    assert moved > 100 * PARAM_ATOL  # the steps move the weights far beyond the tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("control", [1, 2], ids=["no_expert_divide", "wrong_expert_offset"])
+def test_controls_differ(ep_group: list[list[dict]], single: dict, control: int) -> None:
+    # measured: no divide 1.9e-4 (Adam is nearly blind to a gradient's scale: the mistake
+    # shows through the clip and eps) and a first grad norm 4% high; wrong offset 0.13
+    run = ep_group[0][control]
+    assert max_abs_diff(run["params"], single["params"]) > 10 * PARAM_ATOL
+    assert run["grad_norm"][0] != pytest.approx(single["grad_norm"][0], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_two_steps_at_dp_shard2_ep2_equal_one_process(single: dict) -> None:
+    # four ranks: the experts split over ep and sharded over dp_shard by their own
+    # fully_shard unit (gradient divided by dp_shard * ep), the dense weights over all
+    # four. Measured: parameters within 7.5e-9 of one process, as at ep=2.
+    group = spawn_learner_group(4, two_steps, "builtin:tiny-moe", {"dp_shard": 2, "ep": 2},
+                                backend="gloo", timeout_s=600)
+    assert [run["data_rank"] for run in group] == [0, 1, 2, 3]
+    for run in group:
+        assert max_abs_diff(run["params"], single["params"]) < PARAM_ATOL
+        for got, want in zip(run["loss"] + run["grad_norm"], single["loss"] + single["grad_norm"]):
+            assert got == pytest.approx(want, rel=1e-5)
