@@ -133,3 +133,59 @@ def test_tied_dense_and_moe_match_unsplit() -> None:
 @pytest.mark.slow
 def test_other_families_match_unsplit() -> None:
     check_families(["llama", "mistral", "qwen3", "mixtral", "qwen3_moe"])
+
+
+# ------------------------------------------------------------------ training through the mesh
+
+PARAM_ATOL = 1e-6
+"""As tests/distributed/test_layouts_data.py: fp32 sums in another order move gradient
+components by ~1e-7 relative; with Adam eps=1e-3 (layout_workers) the update's slope is
+<= lr/eps = 1, so parameters agree within 1e-6 after two steps, while a step moves them
+by ~1e-3. Loss and gradient norm: rel 1e-5."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``builtin:tiny`` (tied embeddings) built once; every process loads it."""
+    from rltune.models.load import resolve_model
+
+    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: str) -> dict:
+    from layout_workers import reference
+
+    return reference(model_dir)
+
+
+def assert_trains_like_one_process(ranks: list[dict], single: dict, label: str) -> None:
+    from test_layouts_data import max_abs_diff
+
+    for rank, got in enumerate(ranks):
+        where = f"{label}, rank {rank}"
+        assert got["loss"] == pytest.approx(single["loss"], rel=1e-5), where
+        assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5), where
+        assert max_abs_diff(got["params"], single["params"]) <= PARAM_ATOL, where
+        assert got["metrics"] == ranks[0]["metrics"], where
+
+
+def test_tp2_trains_like_one_process(model_dir: str, single: dict) -> None:
+    """tp=2 (both ranks the same rows), with and without sequence parallelism."""
+    from layout_workers import several
+
+    runs = [({"tp": 2, "dp_shard": 1}, None), ({"tp": 2, "dp_shard": 1, "sequence_parallel": True}, None)]
+    results = spawn_learner_group(2, several, model_dir, runs, backend="gloo", timeout_s=600)
+    for i, (layout, _) in enumerate(runs):
+        assert_trains_like_one_process([ranks[i] for ranks in results], single, str(layout))
+
+
+@pytest.mark.slow
+def test_dp_shard2_tp2_trains_like_one_process(model_dir: str, single: dict) -> None:
+    """Four ranks: FSDP2 over two data ranks of two tp ranks each (2-D DTensor weights)."""
+    from layout_workers import several
+
+    runs = [({"tp": 2, "dp_shard": 2}, None), ({"tp": 2, "dp_shard": 2, "sequence_parallel": True}, None)]
+    results = spawn_learner_group(4, several, model_dir, runs, backend="gloo", timeout_s=900)
+    for i, (layout, _) in enumerate(runs):
+        assert_trains_like_one_process([ranks[i] for ranks in results], single, str(layout))
