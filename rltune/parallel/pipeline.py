@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +123,7 @@ class StageModule(nn.Module):
 
     @property
     def config(self) -> Any:
-        return self.model.config
+        return self.body.config  # a critic has no config of its own, its body has
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -140,16 +139,16 @@ class StageModule(nn.Module):
         positions and rotary phases), then the final norm on the last stage."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        body, config = self.body, self.model.config
+        body = self.body
         position_ids = position_ids_from_mask(attention_mask)
         hidden = body.embed_tokens(x) if self.is_first else x
         mask_kwargs = {"config": body.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
                        "cache": None, "position_ids": position_ids}
         masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-        if getattr(body, "has_sliding_layers", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        layer_types = getattr(body.config, "layer_types", None)
+        if "sliding_attention" in (layer_types or ()):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
         phases = body.rotary_emb(hidden, position_ids)
-        layer_types = getattr(body.config, "layer_types", None)
         for i in self.layers:
             hidden = body.layers[i](
                 hidden, attention_mask=masks[layer_types[i] if layer_types else "full_attention"],
@@ -183,9 +182,7 @@ def split_model(model: nn.Module, index: int, stages: int) -> StageModule:
 
 def is_tied(model: nn.Module) -> bool:
     """Whether ``model`` (before :func:`split_model`) shares its embedding matrix with its LM head."""
-    head = getattr(model, "lm_head", None)
-    body = decoder_body(model)
-    return head is not None and getattr(head, "weight", None) is body.embed_tokens.weight
+    return getattr(getattr(model, "lm_head", None), "weight", None) is decoder_body(model).embed_tokens.weight
 
 
 # ----------------------------------------------------------------------------- heads
@@ -294,9 +291,9 @@ class Pipeline:
     """This rank's stage and the schedule that runs it with the other ``pp`` ranks.
 
     Built by :func:`build_pipeline`; the learner hands it a step's micro-batches
-    (:meth:`train`) or a prediction's row chunks (:meth:`predict`), and the strategy asks
-    it for the whole model's gradient norm (:meth:`clip_grad_norm`) and full weights
-    (:meth:`full_state_dict`)."""
+    (:meth:`train`) or a prediction's row chunks (:meth:`predict`); the strategy sums the
+    stages' squared gradient norms over :attr:`group` (leaving :attr:`tied_copy` out) and
+    asks it for the full weights (:meth:`full_state_dict`)."""
 
     def __init__(self, stage: StageModule, mesh: Any, *, schedule: str, device: torch.device, tied: bool) -> None:
         if schedule not in SCHEDULES:
@@ -306,7 +303,8 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(self.group, stage.stages - 1)
         self.tied_group = _ends_group(mesh) if tied else None
         self.tied_copy = stage.model.lm_head.weight if tied and stage.is_last else None
-        """The last stage's copy of a tied embedding matrix: not counted in the norm."""
+        """The last stage's copy of a tied embedding matrix: the gradient norm counts the
+        matrix once (the first stage's), and clips both."""
 
     def train(self, micro: list[TrainBatch], forwards: int, objective: Objective, denominator: torch.Tensor, *,
               temperature: float, autocast: Callable[[], Any], aux_loss_coef: float = 0.0
@@ -417,24 +415,6 @@ class Pipeline:
         grad = param.grad
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
 
-    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The whole model's gradient norm: this stage's squared norm (a tied copy left
-        out) summed over the ``pp`` ranks."""
-        grads = [p.grad for p in params if p.grad is not None and p is not self.tied_copy]
-        squares = local_grad_square_norm(grads, self.device)
-        dist.all_reduce(squares, group=self.group)
-        return squares.sqrt().float()
-
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip every gradient of ``params`` by the whole model's norm (as
-        ``clip_grad_norm_`` would on one process); returns that norm."""
-        total = self.grad_norm(params)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef.to(p.grad.dtype))
-        return total
-
     def full_state_dict(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's full weights (``local``: this stage's, already unsharded) merged,
         on every ``pp`` rank."""
@@ -444,21 +424,6 @@ class Pipeline:
         for part in everyone:
             merged.update({k: v.to(self.device) for k, v in part.items()})
         return merged
-
-
-def local_grad_square_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``sum ||g||^2`` over ``grads`` in float64 (sharded gradients over their whole
-    mesh), on ``device``."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    for mesh, group in by_mesh.items():
-        norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = total + norm.to(device=device, dtype=torch.float64) ** 2
-    return total
 
 
 def _ends_group(mesh: Any) -> dist.ProcessGroup | None:
@@ -477,15 +442,20 @@ def _ends_group(mesh: Any) -> dist.ProcessGroup | None:
 
 
 def build_pipeline(model: nn.Module, mesh: Any, *, schedule: str, device: torch.device) -> Pipeline:
-    """Split ``model`` in place for this rank's ``pp`` coordinate of ``mesh`` (a mesh with
-    a ``pp`` dim) and return its :class:`Pipeline`; ``pipeline.stage`` is the module to
-    parallelise further (tensor, expert, data parallel: FSDP2 with the stage as root, so
-    the schedule drives its gradient reduction)."""
+    """Split ``model`` in place for this rank's coordinate on ``mesh``'s ``pp`` dim and
+    return its :class:`Pipeline`. ``pipeline.stage`` is what training forwards go
+    through, and the root to shard (FSDP2 over the stage: the schedule then drives its
+    gradient reduction, once per step)."""
     tied = is_tied(model)
     stage = split_model(model, mesh["pp"].get_local_rank(), mesh["pp"].size())
     stage.to(device)
     return Pipeline(stage, mesh, schedule=schedule, device=device, tied=tied and stage.stages > 1)
 
 
-__all__ = ["SCHEDULES", "EqualBatches", "Pipeline", "StageModule", "build_pipeline", "decoder_body", "equalise",
+def apply_pipeline(model: nn.Module, mesh: Any, layout: Any) -> Pipeline:
+    """:func:`build_pipeline` with ``layout.pp_schedule``, on the device of ``model``."""
+    return build_pipeline(model, mesh, schedule=layout.pp_schedule, device=next(model.parameters()).device)
+
+
+__all__ = ["SCHEDULES", "EqualBatches", "Pipeline", "StageModule", "apply_pipeline", "build_pipeline", "decoder_body", "equalise",
            "head_kind", "split_model", "stage_layer_ranges", "stage_output"]
