@@ -113,6 +113,9 @@ class MeshParallelism:
             fully_shard(module, mesh=expert_mesh)
             # FSDP2 divides by its mesh's size; the ep ranks' sum needs ep more
             module.set_gradient_divide_factor(float(expert_mesh.size() * self.layout.ep))
+            # a factor other than the mesh size is a PREMUL_SUM reduction, which gloo lacks:
+            # sum, then divide
+            module.set_force_sum_reduction_for_comms(True)
         self._experts_by_hand = list(ignored)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dense, ignored_params=ignored or None)
