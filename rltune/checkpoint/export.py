@@ -8,7 +8,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rltune.checkpoint.model import model_from_state
+from rltune.checkpoint.model import FULL, model_from_state
+from rltune.checkpoint.sharded import FORMAT as SHARDED
+from rltune.checkpoint.sharded import read_full
 from rltune.checkpoint.store import CheckpointError, latest_checkpoint, load_checkpoint
 from rltune.config import load_config
 from rltune.models.load import load_model, load_tokenizer, resolve_model
@@ -80,15 +82,27 @@ def export_run(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None) 
                 f"run directory {run_dir} has no complete checkpoint under {run_dir / CHECKPOINTS}; "
                 f"a run writes one every `checkpoint.every` steps and at its end"
             )
-    tensors, meta = load_checkpoint(checkpoint)
-    if "model" not in tensors:
-        raise CheckpointError(f"{checkpoint}: the checkpoint holds no model weights (no model.safetensors)")
+    weights, model_meta = _checkpoint_weights(Path(checkpoint))
     model_dir = resolve_model(cfg.model.path)
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora)
     # A checkpoint that does not record its model format holds a full state_dict.
-    model_from_state(model, tensors["model"], meta.get("model"), where=str(checkpoint))
+    model_from_state(model, weights, model_meta, where=str(checkpoint))
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     export_hf(model, tokenizer, out_dir)
     return Path(checkpoint)
+
+
+def _checkpoint_weights(checkpoint: Path) -> tuple[dict, dict | None]:
+    """The model's tensors of a checkpoint and their format meta. A sharded checkpoint
+    (a learner group's DCP shards) is read into full tensors here, in this one process,
+    tensor by tensor from every rank's file (:func:`rltune.checkpoint.sharded.read_full`):
+    the export holds the model once, as ``save_pretrained`` needs it anyway."""
+    tensors, meta = load_checkpoint(checkpoint)
+    model_meta = meta.get("model")
+    if isinstance(model_meta, dict) and model_meta.get("format") == SHARDED:
+        return read_full(checkpoint / model_meta["dir"]), {"format": FULL}
+    if "model" not in tensors:
+        raise CheckpointError(f"{checkpoint}: the checkpoint holds no model weights (no model.safetensors)")
+    return tensors["model"], model_meta

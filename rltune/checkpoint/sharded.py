@@ -25,6 +25,7 @@ parameter's optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``).
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,19 @@ def refuse_lora(model: torch.nn.Module, where: str) -> None:
             "adapters and a fingerprint of the frozen weights, which a sharded model cannot give); train "
             "LoRA with train.parallel all 1 but dp_replicate, or runtime.placement.learner_strategy: ddp"
         )
+
+
+def writes_shards(learner: Any) -> bool:
+    """Whether ``learner`` (a :class:`~rltune.learner.learner.LocalLearner`) checkpoints
+    in shards: any parallelism over a device mesh does (tensor, pipeline, expert or
+    sharded data parallelism: each rank holds a part of the state). One process and DDP
+    hold the whole model and write the one-file format; the FSDP2 strategy of
+    ``runtime.placement.learner_strategy`` keeps the gathered one-file format it always
+    wrote (``rltune/runtime/ray/fsdp_state.py``), so its checkpoints stay readable as
+    before."""
+    from rltune.learner.parallel import DDP, FSDP2, NoParallelism
+
+    return not isinstance(learner.parallelism, (NoParallelism, DDP, FSDP2))
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict[str, Any]:
@@ -115,7 +129,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
                         for name, v in entries.items() if isinstance(v, torch.Tensor)}
         _check_against(saved, optim_target, where, "optimizer state")
         target.update(optim_target)
-    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not _in_group())
+    _load(target, directory, no_dist=not _in_group())
     set_model_state_dict(model, {k[len(MODEL):]: v for k, v in target.items() if k.startswith(MODEL)})
     if optim_sd is not None:
         _set_optimizer(model, optimizer, optim_sd, target, meta)
@@ -134,7 +148,7 @@ def read_full(directory: Path, *, prefix: str = MODEL) -> dict[str, torch.Tensor
               if name.startswith(prefix)}
     if not target:
         raise CheckpointError(f"{directory}: the sharded checkpoint holds no tensor named {prefix}*")
-    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)
+    _load(target, directory, no_dist=True)
     return {name[len(prefix):]: tensor for name, tensor in target.items()}
 
 
@@ -153,6 +167,15 @@ def chunk_counts(directory: Path) -> dict[str, int]:
 def shard_files(directory: Path) -> list[Path]:
     """The per-rank files of a sharded checkpoint, in name order."""
     return sorted(p for p in Path(directory).iterdir() if _SHARD_FILE.fullmatch(p.name))
+
+
+def _load(target: dict[str, Any], directory: Path, *, no_dist: bool) -> None:
+    """``dcp.load`` from the safetensors shards; in one process without the warning DCP
+    gives for that (loading in one process is what is meant here)."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=no_dist)
 
 
 def _in_group() -> bool:
@@ -242,4 +265,5 @@ __all__ = [
     "save_sharded",
     "shard_files",
     "stored_shapes",
+    "writes_shards",
 ]

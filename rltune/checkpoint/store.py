@@ -4,8 +4,11 @@ Layout of a checkpoint root (``runs/NAME/checkpoints``)::
 
     step-N/
         <stem>.safetensors   one per entry of ``tensors`` (a flat name -> tensor dict)
+        <name>/...           directories written by ``shards`` (a learner group's sharded
+                             state, rltune/checkpoint/sharded.py), one level deep
         state.json           ``meta``
         COMPLETE             written last: {"format": 1, "step": N, "files": {name: sha256}}
+                             (a file in a directory is named ``<name>/<file>``)
 
 A save writes every file into ``.tmp-step-N-<random>``, fsyncs the files and the
 directory, renames it to ``step-N`` and only then writes ``COMPLETE`` (through its own
@@ -35,7 +38,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,7 @@ def save_checkpoint(
     tensors: Mapping[str, Mapping[str, torch.Tensor]],
     meta: Mapping[str, Any],
     keep: int,
+    shards: Callable[[Path], tuple[Mapping[str, Mapping[str, torch.Tensor]], Mapping[str, Any]]] | None = None,
 ) -> Path:
     """Write ``root/step-{step}`` atomically and keep the newest ``keep`` complete ones.
 
@@ -86,6 +90,11 @@ def save_checkpoint(
             written as ``state.json``.
         keep: number of complete checkpoints to keep (>= 1). The one just written is
             always kept, even when an older run left checkpoints with higher steps.
+        shards: called with the checkpoint's unfinished directory before anything else
+            is written there: it writes directories into it (the ranks of a sharded
+            learner group each write their own files, on a filesystem they share with
+            this process) and returns more ``(tensors, meta)``, merged into the others.
+            Those files are checksummed in ``COMPLETE`` like the rest.
 
     Returns:
         The path of the new complete checkpoint.
@@ -97,6 +106,10 @@ def save_checkpoint(
     tmp = root / f".tmp-step-{step}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
+        if shards is not None:
+            more_tensors, more_meta = shards(tmp)
+            tensors, meta = {**tensors, **more_tensors}, {**meta, **more_meta}
+            _check_save_args(step, tensors, meta, keep)
         digests = _write_files(tmp, tensors, meta)
         _fsync_dir(tmp)
         final = _install(root, tmp, step)
@@ -150,7 +163,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
     tensors = {
         name[: -len(TENSOR_SUFFIX)]: load_tensors(path / name, error=CheckpointError)
         for name in files
-        if name.endswith(TENSOR_SUFFIX)
+        if name.endswith(TENSOR_SUFFIX) and "/" not in name  # a directory's files are its writer's to read
     }
     meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     return tensors, meta
@@ -301,6 +314,12 @@ def _write_files(tmp: Path, tensors: Mapping, meta: Mapping) -> dict[str, str]:
     path = tmp / META_FILE
     path.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     digests[path.name] = _sha256(path, fsync=True)
+    for sub in sorted(p for p in tmp.iterdir() if p.is_dir()):
+        for file in sorted(sub.iterdir()):
+            if not file.is_file():
+                raise CheckpointError(f"{file}: a checkpoint's directories hold files only, one level deep")
+            digests[f"{sub.name}/{file.name}"] = _sha256(file, fsync=True)
+        _fsync_dir(sub)
     return digests
 
 
@@ -424,7 +443,9 @@ def _read_marker(path: Path) -> dict[str, str]:
         )
     files = record["files"]
     for name, digest in files.items():
-        if "/" in name or "\\" in name or name.startswith(".") or not isinstance(digest, str):
+        parts = name.split("/")
+        if (len(parts) > 2 or "\\" in name or any(not p or p.startswith(".") for p in parts)
+                or not isinstance(digest, str)):
             raise CheckpointError(f"checkpoint {path}: {MARKER} lists a bad entry {name!r}: {digest!r}")
     if META_FILE not in files:
         raise CheckpointError(f"checkpoint {path}: {MARKER} does not list {META_FILE}")

@@ -4,6 +4,7 @@ the data position, the step and the learner's counters."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from rltune.checkpoint.state import (
 )
 from rltune.checkpoint.model import model_from_state, model_to_state
 from rltune.checkpoint.rollouts import batches_from_state, batches_to_state
+from rltune.checkpoint.sharded import FORMAT as SHARDED
+from rltune.checkpoint.sharded import load_sharded, save_sharded
 from rltune.checkpoint.store import (
     CheckpointError,
     Skipped,
@@ -50,7 +53,13 @@ def save(run: "Run") -> Path:
 def _save(run: "Run") -> Path:
     roles, progress = run.roles, run.progress
     rng_tensors, rng_meta = rng_to_state(progress.streams.generators)
-    tensors, meta = roles.learner.checkpoint_state("")
+    shards = None
+    if getattr(roles.learner, "writes_shards", False):
+        # the learner's ranks write their shards into the checkpoint's directory
+        tensors, meta = {}, {}
+        shards = partial(roles.learner.checkpoint_state, "")
+    else:
+        tensors, meta = roles.learner.checkpoint_state("")
     tensors["rng"] = rng_tensors
     meta.update({"step": progress.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.data.sampler.state_dict()})
     if run.source.max_ahead:
@@ -61,7 +70,8 @@ def _save(run: "Run") -> Path:
         meta.update(critic_meta)
     if roles.kl is not None:
         meta["kl_coef"] = roles.kl.coef
-    return save_checkpoint(checkpoint_root(run), progress.step, tensors=tensors, meta=meta, keep=run.cfg.checkpoint.keep)
+    return save_checkpoint(checkpoint_root(run), progress.step, tensors=tensors, meta=meta,
+                           keep=run.cfg.checkpoint.keep, shards=shards)
 
 
 def learner_state(learner, prefix: str) -> tuple[dict, dict]:
@@ -73,13 +83,33 @@ def learner_state(learner, prefix: str) -> tuple[dict, dict]:
         f"{prefix}model": model_meta,
         f"{prefix}optimizer": opt_meta,
         f"{prefix}scheduler": scheduler_to_state(learner.schedule),
-        f"{prefix}learner": {
-            "version": learner.version,
-            "nonfinite_in_a_row": learner.nonfinite_in_a_row,
-            "nonfinite_total": learner.nonfinite_total,
-        },
+        f"{prefix}learner": _counters(learner),
     }
     return tensors, meta
+
+
+def sharded_learner_state(learner, prefix: str, directory: Path) -> tuple[dict, dict]:
+    """:func:`learner_state` of a learner whose ranks hold shards (every rank calls it
+    together): the model and optimizer go into ``directory/<prefix>learner`` with DCP
+    (:func:`rltune.checkpoint.sharded.save_sharded`), each rank writing its own file; the
+    returned tensors are empty and ``meta`` names that directory."""
+    name = f"{prefix}learner"
+    optimizer_meta = save_sharded(learner.model, learner.optimizer, Path(directory) / name)
+    meta = {
+        f"{prefix}model": {"format": SHARDED, "dir": name},
+        f"{prefix}optimizer": optimizer_meta,
+        f"{prefix}scheduler": scheduler_to_state(learner.schedule),
+        f"{prefix}learner": _counters(learner),
+    }
+    return {}, meta
+
+
+def _counters(learner) -> dict:
+    return {
+        "version": learner.version,
+        "nonfinite_in_a_row": learner.nonfinite_in_a_row,
+        "nonfinite_total": learner.nonfinite_total,
+    }
 
 
 @dataclass(frozen=True)
@@ -178,9 +208,15 @@ def _apply_queue(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
 
 
 def apply_learner_state(learner, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
-    """Load what :func:`learner_state` wrote into ``learner``."""
-    model_from_state(learner.model, tensors[f"{prefix}model"], meta[f"{prefix}model"], where=f"{path} ({prefix}model)")
-    optimizer_from_state(learner.optimizer, tensors[f"{prefix}optimizer"], meta[f"{prefix}optimizer"])
+    """Load what :func:`learner_state` or :func:`sharded_learner_state` wrote into
+    ``learner`` (a sharded checkpoint into any layout, or into one process: every rank
+    reads its part of the shards)."""
+    model_meta = meta[f"{prefix}model"]
+    if isinstance(model_meta, dict) and model_meta.get("format") == SHARDED:
+        load_sharded(learner.model, learner.optimizer, Path(path) / model_meta["dir"], meta[f"{prefix}optimizer"])
+    else:
+        model_from_state(learner.model, tensors[f"{prefix}model"], model_meta, where=f"{path} ({prefix}model)")
+        optimizer_from_state(learner.optimizer, tensors[f"{prefix}optimizer"], meta[f"{prefix}optimizer"])
     scheduler_from_state(learner.schedule, meta[f"{prefix}scheduler"])
     counters = meta[f"{prefix}learner"]
     learner.version = counters["version"]

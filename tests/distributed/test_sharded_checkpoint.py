@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 import torch.distributed as dist
 from learner_group_workers import make_batch, make_learner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -30,13 +31,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from rltune.checkpoint.sharded import chunk_counts, load_sharded, read_full, save_sharded, shard_files
-from rltune.checkpoint.store import CheckpointError
+from rltune.checkpoint.sharded import chunk_counts, load_sharded, read_full, shard_files
+from rltune.checkpoint.export import export_run
+from rltune.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from rltune.data.records import TrainBatch
 from rltune.learner.distributed import shard_batch
 from rltune.learner.launch import spawn_learner_group
 from rltune.learner.parallel import NoParallelism, make_parallelism
 from rltune.models.load import load_model, resolve_model
+from rltune.runtime.state import apply_learner_state, sharded_learner_state
 
 PARAM_ATOL = 1e-6
 
@@ -123,15 +126,15 @@ def save_then_resume(model_dir: str, batch: TrainBatch, layout: str, directory: 
     first = build(model_dir, layout)
     first.step(rows)
     saved = {"weights": weights(first), "optimizer": full_optimizer(first)}
-    meta = save_sharded(first.model, first.optimizer, Path(directory))
+    _, meta = sharded_learner_state(first, "", Path(directory))  # into directory/learner
     first.step(rows)
     out = {"meta": meta, "saved": saved, "uninterrupted": weights(first)}
     resumed = build(model_dir, layout)
-    load_sharded(resumed.model, resumed.optimizer, Path(directory), meta)
+    apply_learner_state(resumed, {}, meta, Path(directory), "")
     resumed.step(rows)
     out["resumed"] = weights(resumed)
     control = build(model_dir, layout)
-    load_sharded(control.model, control.optimizer, Path(directory), {**meta, "stepped": False})
+    load_sharded(control.model, control.optimizer, Path(directory) / "learner", {**meta["optimizer"], "stepped": False})
     control.step(rows)
     out["weights_only"] = weights(control)
     return out
@@ -164,10 +167,20 @@ def batch(model_dir: str) -> TrainBatch:
 
 @pytest.fixture(scope="module")
 def tp_run(model_dir: str, batch: TrainBatch, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    directory = tmp_path_factory.mktemp("tp") / "learner"
-    ranks = spawn_learner_group(2, save_then_resume, model_dir, batch, "tp", str(directory),
-                                backend="gloo", timeout_s=300)
-    return {"ranks": ranks, "dir": directory, "meta": ranks[0]["meta"]}
+    """A run's checkpoint written at tp=2 as a run writes one: the store's unfinished
+    directory is handed to the group, whose ranks write their shards into it."""
+    run_dir = tmp_path_factory.mktemp("run")
+    (run_dir / "config.yaml").write_text(f"model:\n  path: {model_dir}\n")
+    ranks: list[dict] = []
+
+    def shards(directory: Path) -> tuple[dict, dict]:
+        ranks.extend(spawn_learner_group(2, save_then_resume, model_dir, batch, "tp", str(directory),
+                                         backend="gloo", timeout_s=300))
+        return {}, ranks[0]["meta"]
+
+    path = save_checkpoint(run_dir / "checkpoints", 1, tensors={}, meta={"step": 1}, keep=1, shards=shards)
+    return {"ranks": ranks, "dir": path / "learner", "meta": ranks[0]["meta"]["optimizer"],
+            "checkpoint": path, "run_dir": run_dir}
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -234,3 +247,40 @@ def test_loading_another_models_checkpoint_names_what_differs(tp_run: dict, tmp_
         load_sharded(model, optimizer, tp_run["dir"], tp_run["meta"])
     with pytest.raises(CheckpointError, match="not a sharded checkpoint"):
         read_full(tmp_path)
+
+
+def test_run_checkpoint_lists_every_shard_and_resumes_in_one_process(tp_run: dict, model_dir: str) -> None:
+    """The store checksums the ranks' files with the rest; the learner part of the
+    checkpoint (weights, optimizer, schedule, counters) loads into one process."""
+    tensors, meta = load_checkpoint(tp_run["checkpoint"])
+    marker = (tp_run["checkpoint"] / "COMPLETE").read_text()
+    assert all(f"learner/{f.name}" in marker for f in shard_files(tp_run["dir"]))
+    assert meta["model"] == {"format": "dcp", "dir": "learner"} and tensors == {}
+    learner = build(model_dir, "none")
+    apply_learner_state(learner, tensors, meta, tp_run["checkpoint"], "")
+    saved = tp_run["ranks"][0]["saved"]
+    assert same(weights(learner), saved["weights"]) == []
+    assert same(full_optimizer(learner), saved["optimizer"]) == []
+    assert learner.version == 1 and learner.schedule.last_epoch == 1
+
+
+def test_a_changed_shard_file_is_caught_by_the_store(tp_run: dict, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "step-1"
+    shutil.copytree(tp_run["checkpoint"], copy)
+    victim = shard_files(copy / "learner")[1]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="learner/shard-.*sha256"):
+        load_checkpoint(copy)
+
+
+def test_export_from_a_sharded_checkpoint_is_the_groups_model(tp_run: dict, tmp_path: Path) -> None:
+    export_run(tp_run["run_dir"], tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    saved = tp_run["ranks"][0]["saved"]["weights"]
+    # the tied head is written once by save_pretrained
+    assert same({k: exported[k] for k in exported}, {k: saved[k] for k in exported}) == []
+    assert set(saved) - set(exported) <= {"lm_head.weight"}

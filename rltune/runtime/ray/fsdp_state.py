@@ -1,19 +1,74 @@
-"""FSDP2 learner state in the format of a local learner's checkpoint part
-(:func:`rltune.runtime.state.learner_state`): gathered to rank 0 when saving, scattered
-back to every rank's shards when loading, so that a checkpoint written by a group of any
-size or strategy loads into any other, or into one process."""
+"""A learner rank's checkpoint part, in one of two formats.
+
+* Sharded (DCP, :mod:`rltune.checkpoint.sharded`): a learner over a device mesh
+  (``train.parallel``: tensor, pipeline, expert or sharded data parallelism) writes its
+  shards into the checkpoint's directory, every rank its own file, nothing gathered.
+* One file (:func:`rltune.runtime.state.learner_state`): DDP's rank 0 gives its
+  replica; the FSDP2 strategy (``runtime.placement.learner_strategy: fsdp2``) gathers
+  the full model and optimizer state to rank 0 (:func:`fsdp2_state`), and scatters them
+  back to every rank's shards when loading (:func:`apply_fsdp2_state`).
+
+Either loads into a group of any size or layout, or into one process.
+"""
 
 from __future__ import annotations
 
 import types
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from rltune.checkpoint.sharded import FORMAT as SHARDED
+from rltune.checkpoint.sharded import writes_shards
+from rltune.checkpoint.store import CheckpointError
 from rltune.learner.learner import LocalLearner
 from rltune.models.lora import is_lora
-from rltune.runtime.state import apply_learner_state, learner_state
+from rltune.runtime.state import apply_learner_state, learner_state, sharded_learner_state
+
+
+def rank_checkpoint_state(learner: LocalLearner, strategy: str, prefix: str,
+                          directory: str | None) -> tuple[dict, dict] | None:
+    """One rank's part in writing a checkpoint (every rank calls it together): with
+    shards, each rank writes its own into ``directory`` (the checkpoint's unfinished
+    directory, on a filesystem every rank and the driver share); otherwise rank 0 gives
+    the one-file state (FSDP2: gathered from every rank). Rank 0 returns ``(tensors,
+    meta)``, CPU tensors; the others None."""
+    rank = learner.parallelism.rank
+    if writes_shards(learner):
+        if directory is None:
+            raise CheckpointError("a sharded learner writes its checkpoint into a directory; none was given "
+                                  "(rltune.checkpoint.store.save_checkpoint's `shards` passes it)")
+        state = sharded_learner_state(learner, prefix, Path(directory))
+        return state if rank == 0 else None
+    if strategy == "fsdp2":
+        return fsdp2_state(learner, prefix)
+    return _to_cpu(learner_state(learner, prefix)) if rank == 0 else None
+
+
+def rank_load_checkpoint_state(learner: LocalLearner, strategy: str, tensors: dict, meta: dict,
+                               path: Path, prefix: str) -> None:
+    """One rank's part in loading a checkpoint of either format (every rank together):
+    a sharded one by name into whatever this rank holds; a one-file one scattered to the
+    shards (a mesh layout or FSDP2) or loaded whole (one process, DDP)."""
+    model_meta = meta.get(f"{prefix}model")
+    sharded = isinstance(model_meta, dict) and model_meta.get("format") == SHARDED
+    if not sharded and (strategy == "fsdp2" or writes_shards(learner)):
+        apply_fsdp2_state(learner, tensors, meta, path, prefix)
+    else:
+        apply_learner_state(learner, tensors, meta, path, prefix)
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def fsdp2_state(learner: LocalLearner, prefix: str) -> tuple[dict, dict] | None:

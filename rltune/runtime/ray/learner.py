@@ -2,14 +2,12 @@
 
 ``runtime.placement.learners`` actors (:class:`LearnerActor`), one per bundle of the run's
 placement group, form one torch.distributed group (gloo on CPU, NCCL when the actor
-reserved a GPU) and train one model with DDP or FSDP2
-(``runtime.placement.learner_strategy``), each rank a
-:class:`~rltune.learner.learner.LocalLearner` with that strategy
-(:mod:`rltune.learner.parallel`). The driver holds a
-:class:`RayLearnerGroup`, which implements the Learner protocol of
-``rltune/runtime/loop.py``: it cuts each global batch into the ranks' shards
-(:func:`~rltune.learner.distributed.shard_batch`), calls every rank together and returns
-rank 0's answer. The group's update is the one a
+reserved a GPU) and train one model laid out by ``train.parallel`` (or, with nothing
+set there, DDP or FSDP2 of ``runtime.placement.learner_strategy``: ``learner_layout.py``),
+each rank a :class:`~rltune.learner.learner.LocalLearner` with that parallelism. The
+driver holds a :class:`RayLearnerGroup`, which implements the Learner protocol of
+``rltune/runtime/loop.py``: it cuts each global batch into shards by data rank (tp and pp
+peers get the same rows), calls every rank together and returns rank 0's answer. The group's update is the one a
 :class:`~rltune.learner.learner.LocalLearner` of the same config makes on the whole batch
 (see ``rltune/learner/parallel.py`` for why), and every actor builds its learner as
 ``rltune.runtime.local.LocalRoles`` builds the local one, so both start identical.
@@ -43,9 +41,8 @@ from ray.exceptions import RayActorError
 
 from rltune.config import Config
 from rltune.data.records import TrainBatch
-from rltune.learner.distributed import init_group, loopback_interface, shard_batch
+from rltune.learner.distributed import init_group, loopback_interface
 from rltune.learner.learner import LocalLearner
-from rltune.learner.parallel import make_parallelism
 from rltune.metrics.types import Metric
 from rltune.runtime.roles import (
     learner_model,
@@ -55,8 +52,16 @@ from rltune.runtime.roles import (
     seed_everything,
 )
 from rltune.runtime.ray.cluster import Placement, actor_setup, death_reason
-from rltune.runtime.ray.fsdp_state import apply_fsdp2_state, fsdp2_state
-from rltune.runtime.state import apply_learner_state, learner_state
+from rltune.runtime.ray.learner_layout import (
+    Position,
+    data_shards,
+    group_strategy,
+    learner_parallelism,
+    output_actors,
+    position_of,
+)
+from rltune.checkpoint.sharded import writes_shards
+from rltune.runtime.ray.fsdp_state import _to_cpu, rank_checkpoint_state, rank_load_checkpoint_state
 
 ROLE = "learner"
 """The placement role of the learner actors (``runtime.placement.learner``)."""
@@ -121,12 +126,12 @@ class LearnerActor:
         backend = _join_environment(rank, world, master_addr, master_port)
         init_group(backend)
         self.rank, self.world = rank, world
-        self.strategy = cfg.runtime.placement.learner_strategy
         seed_everything(cfg.train.seed)
         algorithm = lookup_algorithm(cfg.algo.name)
         model = learner_model(cfg, model_dir)
         objective = learner_objective(cfg, algorithm)
-        self.parallelism = make_parallelism(self.strategy)
+        # the layout of train.parallel, or learner_strategy's DDP/FSDP2 (learner_layout.py)
+        self.parallelism, self.strategy = learner_parallelism(cfg, world)
         self.learner = LocalLearner(
             model, objective, cfg.train, parallelism=self.parallelism, **learner_options(cfg, algorithm, model)
         )
@@ -183,27 +188,29 @@ class LearnerActor:
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def checkpoint_state(self, prefix: str) -> tuple[dict, dict] | None:
-        """Rank 0: what :func:`rltune.runtime.state.learner_state` gives for a
-        ``LocalLearner`` of this model, CPU tensors; other ranks None. With FSDP2 every
-        rank takes part in gathering the full model and optimizer state."""
-        if self.strategy == "fsdp2":
-            return fsdp2_state(self.learner, prefix)
-        return _to_cpu(learner_state(self.learner, prefix)) if self.rank == 0 else None
+    def checkpoint_state(self, prefix: str, directory: str | None = None) -> tuple[dict, dict] | None:
+        """Rank 0: the learner's checkpoint part, CPU tensors; other ranks None. Sharded
+        (a mesh layout): every rank writes its shards into ``directory``; FSDP2: every
+        rank takes part in gathering (``rltune/runtime/ray/fsdp_state.py``)."""
+        return rank_checkpoint_state(self.learner, self.strategy, prefix, directory)
+
+    def writes_shards(self) -> bool:
+        return writes_shards(self.learner)
 
     def load_checkpoint_state(self, tensors: dict, meta: dict, path: str, prefix: str) -> int:
-        """Apply a :meth:`checkpoint_state` (every rank, the same arguments); returns the
-        restored version."""
-        if self.strategy == "fsdp2":
-            apply_fsdp2_state(self.learner, tensors, meta, Path(path), prefix)
-        else:
-            apply_learner_state(self.learner, tensors, meta, Path(path), prefix)
+        """Apply a checkpoint's learner part, of either format (every rank, the same
+        arguments); returns the restored version."""
+        rank_load_checkpoint_state(self.learner, self.strategy, tensors, meta, Path(path), prefix)
         return self.learner.version
 
     # -- small queries ------------------------------------------------------------------
 
     def version(self) -> int:
         return self.learner.version
+
+    def position(self) -> tuple[int, Position]:
+        """``(version, where this rank sits in the mesh)``: which rows it trains on."""
+        return self.learner.version, position_of(self.parallelism)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(learner, *args)`` on this rank's learner (collectives inside ``fn`` need
@@ -239,17 +246,6 @@ def _endpoint() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind(("", 0))
         return "127.0.0.1" if one_node else ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def _compact(batch: TrainBatch) -> TrainBatch:
@@ -293,7 +289,7 @@ class RayLearnerGroup:
         if len(placement.index[ROLE]) < self.world:
             raise ValueError(f"RayLearnerGroup: runtime.placement.learners={self.world}, but the placement "
                              f"has {len(placement.index[ROLE])} learner bundle(s); place the same placement config")
-        self.strategy = cfg.runtime.placement.learner_strategy
+        self.strategy = group_strategy(cfg, self.world, model_dir)  # checks a train.parallel layout
         self.weight_sync = cfg.runtime.weight_sync
         self.placement = placement
         self._lock = threading.Lock()
@@ -309,7 +305,9 @@ class RayLearnerGroup:
             )
             for rank in range(self.world)
         ]
-        self._version = self._gather([a.version.remote() for a in self.actors], "start")[0]
+        started = self._gather([a.position.remote() for a in self.actors], "start")
+        self._version = started[0][0]
+        self.positions: list[Position] = [position for _, position in started]
 
     @property
     def version(self) -> int:
@@ -331,7 +329,8 @@ class RayLearnerGroup:
         shards = self._shards(batch)
         with self._lock:
             refs = [actor.logprobs.remote(shard) for actor, shard in zip(self.actors, shards)]
-        return torch.cat(self._gather(refs, "logprobs"))
+        answers = self._gather(refs, "logprobs")  # tp/pp peers answer for the same rows
+        return torch.cat([answers[i] for i in output_actors(self.positions)])
 
     def export_weights(self) -> WeightsRef | BroadcastWeights:
         """A :class:`WeightsRef` to the full weights, put into Ray's object store by rank 0
@@ -350,9 +349,9 @@ class RayLearnerGroup:
 
     def _submit(self, method: str, *args: Any) -> list[ray.ObjectRef]:
         """``method`` on the ranks that hold full weights when asked for them: rank 0 with
-        DDP, every rank with FSDP2 (it gathers them). Submitted under the group's lock, so
+        DDP, every rank with FSDP2 or a mesh layout (they gather them). Submitted under the group's lock, so
         that calls from two driver threads reach every rank in the same order."""
-        ranks = self.actors if self.strategy == "fsdp2" else self.actors[:1]
+        ranks = self.actors[:1] if self.strategy == "ddp" else self.actors
         with self._lock:
             return [getattr(a, method).remote(*args) for a in ranks]
 
@@ -396,11 +395,23 @@ class RayLearnerGroup:
         """Nothing to report per step (a dead rank ends the run: :class:`LearnerDied`)."""
         return {}
 
-    def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
-        """``(tensors, meta)`` as :func:`rltune.runtime.state.learner_state` gives them for
-        a ``LocalLearner`` of the same model, from rank 0 (FSDP2: gathered from every
-        rank; a LoRA model with FSDP2 is refused with a RuntimeError)."""
-        return self._gather(self._submit("checkpoint_state", prefix), "checkpoint_state")[0]
+    @property
+    def writes_shards(self) -> bool:
+        """Whether the ranks write checkpoints in shards (a mesh layout): then
+        :meth:`checkpoint_state` needs the checkpoint's directory."""
+        if getattr(self, "_writes_shards", None) is None:
+            self._writes_shards = self._gather([self.actors[0].writes_shards.remote()], "writes_shards")[0]
+        return self._writes_shards
+
+    def checkpoint_state(self, prefix: str, directory: Path | str | None = None) -> tuple[dict, dict]:
+        """``(tensors, meta)`` of the learner's checkpoint part, from rank 0: sharded, each
+        rank writes its own file into ``directory``; otherwise the one-file format of a
+        ``LocalLearner`` (FSDP2: gathered from every rank; LoRA with FSDP2 is refused)."""
+        if directory is None:
+            return self._gather(self._submit("checkpoint_state", prefix), "checkpoint_state")[0]
+        with self._lock:
+            refs = [a.checkpoint_state.remote(prefix, str(directory)) for a in self.actors]
+        return self._gather(refs, "checkpoint_state")[0]
 
     def load_checkpoint_state(self, tensors: dict, meta: dict, path: Path | str, prefix: str) -> None:
         """Apply a checkpoint's learner part (``prefix``) on every rank: its model and
@@ -435,9 +446,10 @@ class RayLearnerGroup:
     # -- helpers ------------------------------------------------------------------------
 
     def _shards(self, batch: TrainBatch) -> list[ray.ObjectRef]:
-        """Each rank's shard of ``batch``, put into the object store (one put per shard)."""
+        """Each rank's shard of ``batch`` by its data rank (tp/pp peers share one), put
+        into the object store once per shard."""
         self._check_open()
-        return [ray.put(_compact(shard_batch(batch, rank, self.world, unit=self.unit))) for rank in range(self.world)]
+        return data_shards(batch, self.positions, self.unit, _compact)
 
     def _gather(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
         """The results of ``refs`` (ref ``i`` from rank ``i``), taken as they finish so that
