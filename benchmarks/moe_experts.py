@@ -51,8 +51,7 @@ def padded_bmm_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch
     gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
     out = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))[sorted_ids, slot]
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    pairs = torch.empty_like(out).index_put((order,), out)
-    return pairs.view(n, k, width).sum(dim=1)
+    return hidden.new_zeros(n, width).index_add_(0, order // k, out)
 
 
 ExpertsInterface.register(PADDED, padded_bmm_forward)
@@ -112,16 +111,33 @@ def check(model: Stack, config: object, impl: str, x: torch.Tensor, probe: torch
     return gap
 
 
-def seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median wall seconds of ``fn`` after ``warmup`` untimed calls."""
+def medians(fns: dict[str, Callable[[], object]], warmup: int,
+            repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, process CPU) seconds of each function after ``warmup`` untimed calls.
+
+    The functions take turns, one call each per round, so a load change on a shared
+    machine falls on all of them alike. CPU seconds are the work done whatever else runs
+    on the machine (with one thread, the figure least disturbed by other processes)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+            for name, t in times.items()}
+
+
+def timed_step(model: Stack, config: object, impl: str, x: torch.Tensor,
+               probe: torch.Tensor) -> Callable[[], object]:
+    """One forward and backward under ``impl`` (selected anew, as the turns alternate)."""
+    def run() -> object:
+        config._experts_implementation = impl
+        return step(model, x, probe)
+    return run
 
 
 def main() -> None:
@@ -134,26 +150,29 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batched-mm", action="store_true", help="also time transformers' batched_mm")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     impls = ["eager", IMPLEMENTATION, "grouped_mm", PADDED] + (["batched_mm"] if args.batched_mm else [])
     print(f"{args.arch}, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
           f"top-2, {args.tokens} tokens, fp32, {torch.get_num_threads()} threads; forward+backward")
-    print(f"{'experts':>7} {'implementation':>15} {'ms':>9} {'tokens/s':>10} {'x eager':>8} {'max rel gap':>11}")
+    print(f"{'experts':>7} {'implementation':>15} {'wall ms':>8} {'tokens/s':>9} {'x eager':>7} "
+          f"{'cpu ms':>8} {'x eager':>7} {'max rel gap':>11}")
     for experts in args.experts:
         model, config = build(args.arch, experts, args.hidden, args.intermediate, args.layers)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(1, args.tokens, args.hidden, generator=gen)
         probe = torch.randn(1, args.tokens, args.hidden, generator=gen)
-        base = None
+        gaps = {impl: 0.0 if impl == "eager" else check(model, config, impl, x, probe) for impl in impls}
+        fns = {impl: timed_step(model, config, impl, x, probe) for impl in impls}
+        times = medians(fns, args.warmup, args.repeats)
+        (base_wall, base_cpu) = times["eager"]
         for impl in impls:
-            gap = 0.0 if impl == "eager" else check(model, config, impl, x, probe)
-            config._experts_implementation = impl
-            t = seconds(lambda: step(model, x, probe), args.warmup, args.repeats)
-            base = t if base is None else base
-            print(f"{experts:>7} {impl:>15} {t * 1e3:>9.1f} {args.tokens / t:>10.0f} "
-                  f"{base / t:>8.2f} {gap:>11.1e}", flush=True)
-
+            wall, cpu = times[impl]
+            print(f"{experts:>7} {impl:>15} {wall * 1e3:>8.1f} {args.tokens / wall:>9.0f} "
+                  f"{base_wall / wall:>7.2f} {cpu * 1e3:>8.1f} {base_cpu / cpu:>7.2f} "
+                  f"{gaps[impl]:>11.1e}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -89,8 +89,8 @@ def grouped_experts(
     E)``) and ``top_k_weights [N, k]`` their routing weights; ``gate_up [E, 2I, H]`` and
     ``down [E, H, I]`` the experts' weights; ``act`` the activation of the gate half. The
     (token, slot) pairs are sorted by expert (a stable sort, so within an expert tokens
-    keep their order, as in the loop), run through :func:`experts_by_group`, weighted, put
-    back in (token, slot) order and summed over the ``k`` slots. Differentiable in
+    keep their order, as in the loop), run through :func:`experts_by_group`, weighted and
+    added into their tokens. Differentiable in
     ``hidden``, ``top_k_weights`` and both weights.
     """
     n, width = hidden.shape if hidden.dim() == 2 else (None, None)
@@ -108,13 +108,13 @@ def grouped_experts(
             f"{int(flat.max())}] but the weights hold {experts} experts (ids 0..{experts - 1})"
         )
     order = torch.argsort(flat, stable=True)
+    token = order // k
     counts = torch.bincount(flat, minlength=experts)
-    out = experts_by_group(hidden[order // k], counts, gate_up, down, act)
+    out = experts_by_group(hidden.index_select(0, token), counts, gate_up, down, act)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    # Back to (token, slot) order, then sum the k slots: a fixed order of additions, where
-    # scattering with index_add would leave the order to the kernel.
-    pairs = torch.empty_like(out).index_put((order,), out)
-    return pairs.view(n, k, width).sum(dim=1).to(hidden.dtype)
+    # Each token's k rows added into it in expert order, as the loop does; the backward is
+    # a gather of the token's gradient.
+    return hidden.new_zeros(n, width).index_add_(0, token, out.to(hidden.dtype))
 
 
 def _check_weights(gate_up: torch.Tensor, down: torch.Tensor, width: int, *, where: str) -> None:
