@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -90,8 +91,10 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     with a zero-gradient step, which changes AdamW's step count).
     """
     refuse_lora(model, str(directory))
-    tensors = {MODEL + k: v for k, v in get_model_state_dict(model).items()}
-    meta: dict[str, Any] = {"format": FORMAT, "stepped": bool(optimizer.state), "state": {}}
+    model_sd = get_model_state_dict(model)
+    tied = aliases(model_sd)
+    tensors = {MODEL + k: v for k, v in model_sd.items() if k not in tied}
+    meta: dict[str, Any] = {"format": FORMAT, "stepped": bool(optimizer.state), "state": {}, "tied": tied}
     if optimizer.state:
         optim = get_optimizer_state_dict(model, optimizer)
         for fqn, entries in optim["state"].items():
@@ -120,8 +123,8 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     _check_format(meta, where)
     saved = stored_shapes(directory)
     model_sd = get_model_state_dict(model)
-    _check_against(saved, {MODEL + k: v for k, v in model_sd.items()}, where, "weights")
-    target: dict[str, Any] = {MODEL + k: v for k, v in model_sd.items()}
+    target = _model_target(model_sd, saved, meta.get("tied", {}), where)
+    _check_against(saved, target, where, "weights")
     optim_sd = None
     if meta["stepped"]:
         optim_sd = get_optimizer_state_dict(model, optimizer)
@@ -130,7 +133,7 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
         _check_against(saved, optim_target, where, "optimizer state")
         target.update(optim_target)
     _load(target, directory, no_dist=not _in_group())
-    set_model_state_dict(model, {k[len(MODEL):]: v for k, v in target.items() if k.startswith(MODEL)})
+    set_model_state_dict(model, model_sd)  # loaded in place above; the API's own checks
     if optim_sd is not None:
         _set_optimizer(model, optimizer, optim_sd, target, meta)
     else:
@@ -187,6 +190,42 @@ def _metadata(directory: Path) -> dict[str, Any]:
     if not directory.is_dir() or not shard_files(directory):
         raise CheckpointError(f"{directory} is not a sharded checkpoint (no shard-*.safetensors files in it)")
     return HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+
+
+def aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: earlier name}`` for each entry whose tensor is an earlier entry's (a tied
+    LM head and embedding): written once, under the earlier name (safetensors refuses two
+    names for one storage, and one copy is all there is)."""
+    first: dict[tuple, str] = {}
+    tied = {}
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() and key in first:
+            tied[name] = first[key]
+        else:
+            first.setdefault(key, name)
+    return tied
+
+
+def _model_target(model_sd: Mapping[str, torch.Tensor], saved: Mapping[str, tuple], tied: Mapping[str, str],
+                  where: str) -> dict[str, torch.Tensor]:
+    """The DCP names to read into each live weight: its own, or, for a name the saving
+    model tied to another (written once, under that one), the other's. Names this model
+    ties are filled through the tensor they share."""
+    target: dict[str, torch.Tensor] = {}
+    own = aliases(model_sd)
+    for name, tensor in model_sd.items():
+        if name in own:
+            continue
+        key = MODEL + name
+        if key not in saved and name in tied:
+            key = MODEL + tied[name]
+        if key in target:
+            raise CheckpointError(f"{where}: {name} and another weight of this model both read {key}, which the "
+                                  "saving model tied; load into a model that ties them as well")
+        target[key] = tensor
+    return target
 
 
 def _groups_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -258,6 +297,7 @@ def _restore_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, me
 
 __all__ = [
     "FORMAT",
+    "aliases",
     "chunk_counts",
     "load_sharded",
     "read_full",

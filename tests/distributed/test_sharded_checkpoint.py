@@ -23,87 +23,45 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-import torch.distributed as dist
 from learner_group_workers import make_batch, make_learner
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from rltune.checkpoint.sharded import chunk_counts, load_sharded, read_full, shard_files
 from rltune.checkpoint.export import export_run
+from rltune.checkpoint.sharded import chunk_counts, load_sharded, read_full, shard_files
 from rltune.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from rltune.data.records import TrainBatch
 from rltune.learner.distributed import shard_batch
 from rltune.learner.launch import spawn_learner_group
 from rltune.learner.parallel import NoParallelism, make_parallelism
 from rltune.models.load import load_model, resolve_model
+from rltune.parallel.layout import Layout
+from rltune.parallel.strategy import MeshParallelism
 from rltune.runtime.state import apply_learner_state, sharded_learner_state
 
 PARAM_ATOL = 1e-6
 
 
-class TensorParallel(NoParallelism):
-    """Tensor parallelism over the whole group, by hand (``parallelize_module``): q/k/v and
-    gate/up split by output column, o/down by input row; every rank sees the same rows, so
-    plan, metrics and sums are one process's. Norm and clip over the sharded gradients."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh("cpu", (self.world,), mesh_dim_names=("tp",))
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
-        for layer in model.model.layers:
-            parallelize_module(layer, self.mesh, plan)
-        return model
-
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            if p.grad is None:
-                continue
-            if isinstance(p.grad, DTensor):
-                sharded += p.grad.to_local().double().pow(2).sum()
-            else:
-                replicated += p.grad.double().pow(2).sum()
-        dist.all_reduce(sharded)
-        norm = float((sharded + replicated).sqrt())
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        return torch.tensor(norm)
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+LAYOUTS = {"tp": Layout(tp=2), "dp_shard": Layout(dp_shard=2), "pp": Layout(pp=2, pp_schedule="gpipe")}
+"""The learner meshes of two ranks the tests write and read; ``none``: one process.
+``fsdp2``: the FSDP2 strategy of ``runtime.placement.learner_strategy``."""
 
 
 def build(model_dir: str, layout: str):
-    """A learner on a fresh model under ``layout`` (``tp``, ``fsdp2`` or ``none``)."""
-    parallelism = {"tp": TensorParallel, "fsdp2": lambda: make_parallelism("fsdp2"),
-                   "none": NoParallelism}[layout]()
-    learner = make_learner(load_model(model_dir), parallelism)
-    if layout == "tp":
-        # the fused and foreach kernels refuse a mix of DTensor (sharded) and plain
-        # (replicated) parameters; the one-tensor-at-a-time AdamW takes them
-        for group in learner.optimizer.param_groups:
-            group.update(fused=False, foreach=False)
-    return learner
+    """A learner on a fresh model under ``layout`` (a key of LAYOUTS, ``fsdp2`` or ``none``)."""
+    if layout == "none":
+        parallelism = NoParallelism()
+    elif layout == "fsdp2":
+        parallelism = make_parallelism("fsdp2")
+    else:
+        parallelism = MeshParallelism(LAYOUTS[layout])
+    return make_learner(load_model(model_dir), parallelism)
 
 
-def rows_of(batch: TrainBatch, layout: str) -> TrainBatch:
-    """This rank's rows: its shard under data parallelism, the whole batch otherwise."""
-    if layout == "fsdp2":
-        return shard_batch(batch, dist.get_rank(), dist.get_world_size())
-    return batch
+def rows_of(batch: TrainBatch, learner) -> TrainBatch:
+    """This rank's rows: its data shard (the whole batch for tp and pp peers)."""
+    return shard_batch(batch, learner.parallelism.rank, learner.parallelism.world)
 
 
 def full_optimizer(learner) -> dict[str, torch.Tensor]:
@@ -122,8 +80,8 @@ def save_then_resume(model_dir: str, batch: TrainBatch, layout: str, directory: 
     """One rank: a learner takes a step, saves, takes its second step; a fresh learner
     loads the checkpoint and takes the second step; a control loads only the weights."""
     torch.set_num_threads(1)
-    rows = rows_of(batch, layout)
     first = build(model_dir, layout)
+    rows = rows_of(batch, first)
     first.step(rows)
     saved = {"weights": weights(first), "optimizer": full_optimizer(first)}
     _, meta = sharded_learner_state(first, "", Path(directory))  # into directory/learner
@@ -147,7 +105,7 @@ def load_then_step(model_dir: str, batch: TrainBatch, layout: str, directory: st
     learner = build(model_dir, layout)
     load_sharded(learner.model, learner.optimizer, Path(directory), meta)
     out = {"weights": weights(learner), "optimizer": full_optimizer(learner)}
-    learner.step(rows_of(batch, layout))
+    learner.step(rows_of(batch, learner))
     out["stepped"] = weights(learner)
     return out
 
@@ -214,6 +172,8 @@ def test_no_rank_writes_the_whole_model(tp_run: dict) -> None:
     assert sharded and all(chunks[name] == 2 for name in sharded), {n: chunks[n] for n in sharded if chunks[n] != 2}
     # a replicated weight is written once, by one rank
     assert chunks["model.model.norm.weight"] == 1
+    # the tied head is written once, as the embedding
+    assert "model.lm_head.weight" not in chunks and tp_run["meta"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     sizes = [f.stat().st_size for f in shard_files(directory)]
     assert max(sizes) < 0.8 * sum(sizes)
 
@@ -221,11 +181,13 @@ def test_no_rank_writes_the_whole_model(tp_run: dict) -> None:
 def test_read_full_in_one_process_is_the_groups_weights(tp_run: dict) -> None:
     full = read_full(tp_run["dir"])
     saved = tp_run["ranks"][0]["saved"]["weights"]
-    assert same(full, saved) == []
+    assert set(saved) - set(full) == {"lm_head.weight"}  # tied: the embedding's
+    assert same(full, {k: saved[k] for k in full}) == []
 
 
 # fsdp2 starts a second group (~20-50 s here); one process is the fast representative
-@pytest.mark.parametrize("layout", [pytest.param("fsdp2", marks=pytest.mark.slow), "none"])
+@pytest.mark.parametrize("layout", [*(pytest.param(name, marks=pytest.mark.slow) for name in ("dp_shard", "pp", "fsdp2")),
+                                    "none"])
 def test_tp2_checkpoint_loads_into_another_layout(layout: str, model_dir: str, batch: TrainBatch,
                                                   tp_run: dict) -> None:
     args = (model_dir, batch, layout, str(tp_run["dir"]), tp_run["meta"])
@@ -234,10 +196,14 @@ def test_tp2_checkpoint_loads_into_another_layout(layout: str, model_dir: str, b
     else:
         ranks = spawn_learner_group(2, load_then_step, *args, backend="gloo", timeout_s=300)
     saved, reference = tp_run["ranks"][0]["saved"], tp_run["ranks"][0]["uninterrupted"]
+    held: set[str] = set()
     for rank in ranks:
         assert same(rank["weights"], saved["weights"]) == []
-        assert same(rank["optimizer"], saved["optimizer"]) == []
+        # a pipeline stage holds its own layers' optimizer state only
+        assert same(rank["optimizer"], {k: saved["optimizer"][k] for k in rank["optimizer"]}) == []
+        held |= set(rank["optimizer"])
         assert max_abs_diff(rank["stepped"], reference) < PARAM_ATOL
+    assert held == set(saved["optimizer"])
 
 
 def test_loading_another_models_checkpoint_names_what_differs(tp_run: dict, tmp_path: Path) -> None:
