@@ -67,8 +67,10 @@ def experts_by_group(
             f"per expert ({gate_up.shape[0]},)"
         )
     if rows.shape[0] == 0:
-        # The kernel rejects empty inputs; the result is empty but stays in the graph.
-        return rows @ down.new_zeros(rows.shape[-1], down.shape[1])
+        # No rows (a rank whose experts drew no token): skip the kernel but keep both
+        # weights in the graph, so they get zero gradients rather than none, as on the
+        # ranks whose experts did get tokens (gradient reductions expect every rank's).
+        return rows.new_zeros(0, rows.shape[-1]) + 0.0 * (gate_up.sum() + down.sum())
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     hidden = _grouped_mm(rows, gate_up, offsets)
     gate, up = hidden.chunk(2, dim=-1)
@@ -102,10 +104,11 @@ def grouped_experts(
         )
     experts, k = gate_up.shape[0], top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
+    low, high = torch.stack(torch.aminmax(flat)).tolist() if flat.numel() else (0, 0)
+    if low < 0 or high >= experts:
         raise ExpertsLayoutError(
-            f"grouped_experts: top_k_index holds expert ids in [{int(flat.min())}, "
-            f"{int(flat.max())}] but the weights hold {experts} experts (ids 0..{experts - 1})"
+            f"grouped_experts: top_k_index holds expert ids in [{low}, {high}] but the "
+            f"weights hold {experts} experts (ids 0..{experts - 1})"
         )
     order = torch.argsort(flat, stable=True)
     token = order // k

@@ -106,9 +106,18 @@ def test_pure_function_and_grouped_core_agree() -> None:
                             module.gate_up_proj, module.down_proj, module.act_fn)
     pairs = torch.empty_like(rows).index_put((order,), rows * weights.reshape(-1)[order, None])
     _close(out, pairs.view(10, 2, 64).sum(1), "grouped_experts against experts_by_group")
-    empty = experts_by_group(hidden[:0], torch.zeros(6, dtype=torch.long), module.gate_up_proj,
-                             module.down_proj, module.act_fn)
+
+
+
+def test_no_tokens_gives_zero_gradients_not_none() -> None:
+    """A rank whose experts drew no token still reports (zero) expert gradients."""
+    module = _experts("qwen3_moe")
+    empty = grouped_experts(torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2),
+                            module.gate_up_proj, module.down_proj, module.act_fn)
     assert empty.shape == (0, 64)
+    empty.sum().backward()
+    for weight in (module.gate_up_proj, module.down_proj):
+        assert weight.grad is not None and not weight.grad.any()
 
 
 def test_bad_inputs_are_named() -> None:
