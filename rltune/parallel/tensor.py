@@ -121,9 +121,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
             f"tensor parallelism has no plan for {type(model).__name__} (model_type {model_type!r}); "
             f"supported model types: {', '.join(SUPPORTED)}; set train.parallel.tp: 1 for this model")
     _check_divisible(config, tp_mesh.size(), model_type)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    # a pipeline stage (rltune.parallel.pipeline) has None for the parts it does not own
+    embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
     for layer in model.model.layers:
-        _parallelize_layer(layer, tp_mesh, sequence_parallel)
+        if layer is not None:
+            _parallelize_layer(layer, tp_mesh, sequence_parallel)
     _parallelize_ends(model, tp_mesh, sequence_parallel)
     if tied:  # each style registered a new parameter: make them one again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -138,7 +141,7 @@ def _check_divisible(config: Any, tp: int, model_type: str) -> None:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         "vocab_size": config.vocab_size,
     }
-    if model_type in DENSE or model_type == "qwen3_moe" and _has_dense_layers(config):
+    if model_type in DENSE or _has_dense_layers(config):
         sizes["intermediate_size"] = config.intermediate_size
     if getattr(config, "shared_expert_intermediate_size", None):
         sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
@@ -203,12 +206,23 @@ def _parallelize_ends(model: nn.Module, mesh: DeviceMesh, sp: bool) -> None:
     """Embeddings sharded on the vocabulary, the final norm, and the head whose logits
     stay sharded on the vocabulary (a ``Shard(-1)`` DTensor)."""
     act = Shard(1) if sp else Replicate()
-    parallelize_module(model, mesh, {
+    plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
                                               use_local_output=not sp),
         "model.norm": SequenceParallel() if sp else _Replicated(Replicate()),
         "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    parallelize_module(model, mesh, {name: style for name, style in plan.items()
+                                     if _present(model, name)})
+
+
+def _present(model: nn.Module, name: str) -> bool:
+    module: Any = model
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+    return True
 
 
 # ------------------------------------------------------------ vocabulary-parallel log-probs

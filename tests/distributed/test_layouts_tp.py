@@ -66,9 +66,12 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
 
 
 def toy_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Four rows, prompts left-padded to 5 columns, completions right-padded to 6."""
+    """Four rows, prompts left-padded to 5 columns, completions right-padded to 6; ids 0
+    (the pad id, the embedding's ``padding_idx``) and 130 (the first id of the second
+    rank's vocabulary slice) appear among the attended tokens and targets."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 260, (4, 11), generator=g)
+    ids[3, 2:9] = torch.tensor([130, 0, 129, 130, 0, 259, 130])
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     mask[1, 8:] = 0
