@@ -213,14 +213,23 @@ def test_controls_differ(ep_group: list[list[dict]], single: dict, control: int)
     assert run["grad_norm"][0] != pytest.approx(single["grad_norm"][0], rel=1e-3)
 
 
+FOUR_RANKS = {
+    # the experts split over ep and sharded over dp_shard by their own fully_shard unit
+    # (gradient divided by dp_shard * ep); the dense weights over all four ranks
+    "dp_shard2_ep2": {"dp_shard": 2, "ep": 2},
+    # tp peers (the same rows) compute the same replicated experts; ep splits them
+    "tp2_ep2": {"dp_shard": 1, "ep": 2, "tp": 2},
+}
+
+
 @pytest.mark.slow
-def test_two_steps_at_dp_shard2_ep2_equal_one_process(single: dict) -> None:
-    # four ranks: the experts split over ep and sharded over dp_shard by their own
-    # fully_shard unit (gradient divided by dp_shard * ep), the dense weights over all
-    # four. Measured: parameters within 7.5e-9 of one process, as at ep=2.
-    group = spawn_learner_group(4, two_steps, "builtin:tiny-moe", {"dp_shard": 2, "ep": 2},
+@pytest.mark.parametrize("layout", list(FOUR_RANKS))
+def test_two_steps_on_four_ranks_equal_one_process(single: dict, layout: str) -> None:
+    # measured: parameters within 7.5e-9 of one process in both, as at ep=2
+    group = spawn_learner_group(4, two_steps, "builtin:tiny-moe", FOUR_RANKS[layout],
                                 backend="gloo", timeout_s=600)
-    assert [run["data_rank"] for run in group] == [0, 1, 2, 3]
+    data_ranks = [0, 1, 2, 3] if layout == "dp_shard2_ep2" else [0, 0, 1, 1]
+    assert [run["data_rank"] for run in group] == data_ranks
     for run in group:
         assert max_abs_diff(run["params"], single["params"]) < PARAM_ATOL
         for got, want in zip(run["loss"] + run["grad_norm"], single["loss"] + single["grad_norm"]):
