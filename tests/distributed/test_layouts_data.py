@@ -14,6 +14,8 @@ shard's token count) moves the weights by far more than PARAM_ATOL.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from layout_workers import reference, several
@@ -88,3 +90,65 @@ def test_hsdp_two_by_two_equals_one_process(model_dir: str, single: dict, initia
     ranks = [rank[0] for rank in out]
     assert [r["data_rank"] for r in ranks] == [0, 1, 2, 3]
     assert_equals_reference(ranks, single, initial)
+
+
+# ---------------------------------------------------------------- the Ray learner group
+
+
+def test_outputs_come_from_one_actor_per_data_rank_in_order() -> None:
+    """The driver reassembles a batch from the actors' positions alone: tp peers (same
+    data rank) answer once; with pp only the last stage's answer is the model's."""
+    from rltune.runtime.ray.learner_layout import Position, output_actors
+
+    # dp_shard=2 x tp=2: actors 0,1 are data rank 0, actors 2,3 data rank 1
+    tp_peers = [Position(0, 2, True), Position(0, 2, True), Position(1, 2, True), Position(1, 2, True)]
+    assert output_actors(tp_peers) == [0, 2]
+    # pp=2 x dp_shard=2: the first stage (actors 0, 1) holds no outputs
+    stages = [Position(0, 2, False), Position(1, 2, False), Position(0, 2, True), Position(1, 2, True)]
+    assert output_actors(stages) == [2, 3]
+    with pytest.raises(RuntimeError, match=r"no actor holds the outputs of data rank\(s\) \[1\]"):
+        output_actors([Position(0, 2, True), Position(1, 2, False)])
+
+
+@pytest.mark.slow
+def test_ray_group_at_tp2_trains_as_one_process(ray_cluster, model_dir: str, single: dict) -> None:
+    """``train.parallel.tp=2`` on two Ray learner actors: both train on the whole batch
+    (one data rank), the group's two steps and log-probs equal one process's."""
+    from layout_workers import global_batch
+    from learner_group_workers import ADAM_EPS, BUDGET, GRAD_CLIP, LR, algo_config
+
+    from rltune.config.parallel import ParallelConfig
+    from rltune.config.schema import Config, ModelConfig, PlacementConfig, RewardFnConfig, RoleResources
+    from rltune.config.schema import RuntimeConfig, TrainConfig
+    from rltune.metrics.types import scalars
+    from rltune.runtime.ray.cluster import place
+    from rltune.runtime.ray.learner import RayLearnerGroup
+    from rltune.runtime.ray.learner_layout import Position
+
+    cfg = Config(
+        model=ModelConfig(path=model_dir), algo=algo_config(), reward=(RewardFnConfig(fn="unused.py:reward"),),
+        train=TrainConfig(lr=LR, grad_clip=GRAD_CLIP, micro_batch_tokens=BUDGET, parallel=ParallelConfig(tp=2)),
+        runtime=RuntimeConfig(mode="ray", placement=PlacementConfig(
+            learners=2, learner=RoleResources(cpus=1), generator=RoleResources(cpus=0.25),
+            scorer=RoleResources(cpus=0.25))),
+    )
+    ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _set_adam_eps, for the actors
+    batch = global_batch(model_dir, 0)
+    placement = place(cfg.runtime.placement, name="test-layout-tp2")
+    group = RayLearnerGroup(cfg, model_dir, placement, timeout_s=300)
+    try:
+        assert group.strategy == "mesh" and group.positions == [Position(0, 1, True)] * 2
+        group.run_on_ranks(_set_adam_eps, ADAM_EPS)
+        metrics = [scalars(group.step(batch)) for _ in range(2)]
+        weights = group.fetch_weights()
+    finally:
+        group.close()
+        placement.remove()
+    assert [m["loss"] for m in metrics] == pytest.approx(single["loss"], rel=1e-5)
+    assert [m["grad_norm"] for m in metrics] == pytest.approx(single["grad_norm"], rel=1e-5)
+    assert max_abs_diff(weights, single["params"]) <= PARAM_ATOL
+
+
+def _set_adam_eps(learner, eps: float) -> None:
+    for group in learner.optimizer.param_groups:
+        group["eps"] = eps
