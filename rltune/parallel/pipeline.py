@@ -302,9 +302,14 @@ class Pipeline:
         self.group = mesh["pp"].get_group()
         self.last_rank = dist.get_global_rank(self.group, stage.stages - 1)
         self.tied_group = _ends_group(mesh) if tied else None
-        self.tied_copy = stage.model.lm_head.weight if tied and stage.is_last else None
-        """The last stage's copy of a tied embedding matrix: the gradient norm counts the
-        matrix once (the first stage's), and clips both."""
+        self.tied = tied
+
+    @property
+    def tied_copy(self) -> torch.Tensor | None:
+        """The last stage's copy of a tied embedding matrix (the gradient norm counts the
+        matrix once, the first stage's, and clips both). Looked up at each call: FSDP2
+        replaces the module's parameters when it shards them."""
+        return self.stage.model.lm_head.weight if self.tied and self.stage.is_last else None
 
     def train(self, micro: list[TrainBatch], forwards: int, objective: Objective, denominator: torch.Tensor, *,
               temperature: float, autocast: Callable[[], Any], aux_loss_coef: float = 0.0
