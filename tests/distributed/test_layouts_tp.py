@@ -192,3 +192,33 @@ def test_dp_shard2_tp2_trains_like_one_process(model_dir: str, single: dict) -> 
     results = spawn_learner_group(4, several, model_dir, runs, backend="gloo", timeout_s=900)
     for i, (layout, _) in enumerate(runs):
         assert_trains_like_one_process([ranks[i] for ranks in results], single, str(layout))
+
+
+# ------------------------------------------------------------------ refusals (no process group)
+
+
+class _Mesh:
+    """What apply_tensor_parallel reads of a 1-D mesh before it splits anything."""
+
+    ndim = 1
+    mesh_dim_names = ("tp",)
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(TensorParallelError, match="gpt2") as err:
+        apply_tensor_parallel(model, _Mesh(2), sequence_parallel=False)
+    assert all(name in str(err.value) for name in SUPPORTED)
+
+
+def test_sizes_tp_does_not_divide_are_named() -> None:
+    with pytest.raises(TensorParallelError, match=r"tp=3 does not divide .*num_attention_heads"):
+        apply_tensor_parallel(build("qwen2"), _Mesh(3), sequence_parallel=False)
