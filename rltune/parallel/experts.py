@@ -95,6 +95,10 @@ def local_expert_compute(x: torch.Tensor, expert: torch.Tensor, gate_up: torch.T
     grouped matmuls (:func:`rltune.models.experts.experts_by_group`)."""
     from rltune.models.experts import experts_by_group
 
+    if len(x) == 0:
+        # nothing received, but the result must still hang on ``x``: the backward of the
+        # exchange that brought ``x`` is a collective the other ranks wait in
+        return x * 0.0 + 0.0 * (gate_up.sum() + down.sum()).to(x.dtype)
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=gate_up.shape[0])
     out = experts_by_group(x[order], counts, gate_up, down, act)

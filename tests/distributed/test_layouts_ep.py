@@ -28,6 +28,8 @@ The group tests take 40-60 s on two cores (each process imports torch and transf
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,14 +57,15 @@ EP_ROWS = (10, 6)
 # ----------------------------------------------------------------------------- one layer
 
 
-def layer_inputs(rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s tokens into layer 0's experts: hidden states, routing (rank 1 only
-    to its own experts), routing weights and the output's cotangent."""
+def layer_inputs(rank: int, *, own_only: bool = False) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tokens into layer 0's experts: hidden states, routing (rank 1, or
+    any rank ``own_only``, only to its own experts), routing weights and the output's
+    cotangent."""
     g = torch.Generator().manual_seed(100 + rank)
     n = EP_ROWS[rank]
     index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n)])
-    if rank == 1:
-        index = 2 + torch.stack([torch.randperm(2, generator=g) for _ in range(n)])
+    if rank == 1 or own_only:
+        index = 2 * rank + torch.stack([torch.randperm(2, generator=g) for _ in range(n)])
     return {"hidden": torch.randn(n, 128, generator=g), "index": index,
             "weights": torch.rand(n, 2, generator=g), "cotangent": torch.randn(n, 128, generator=g)}
 
@@ -86,9 +89,10 @@ def layer_run(model_dir: str) -> dict:
     assert isinstance(experts, ExpertParallelExperts)
     got = _layer_pass(experts, layer_inputs(rank))
     grads = {name: getattr(experts, name).grad.to_local().clone() for name in ("gate_up_proj", "down_proj")}
-    empty = layer_inputs(0) if rank == 0 else {k: v[:0] for k, v in layer_inputs(1).items()}
-    with torch.no_grad():
-        alone = experts(empty["hidden"], empty["index"], empty["weights"])
+    # rank 1 has no tokens and rank 0 routes only to its own experts: rank 1 receives
+    # nothing, and still joins both exchanges, forward and backward
+    alone = _layer_pass(experts, layer_inputs(0, own_only=True) if rank == 0
+                        else {k: v[:0] for k, v in layer_inputs(1).items()})
     return {**got, **grads, "alone": alone, "first_expert": experts.first_expert,
             "local_shape": list(experts.gate_up_proj.to_local().shape)}
 
@@ -98,6 +102,7 @@ def layer_reference(model_dir: str) -> dict:
     gradients summed over both ranks' passes."""
     experts = load_model(model_dir).model.layers[0].mlp.experts
     out = {rank: _layer_pass(experts, layer_inputs(rank)) for rank in (0, 1)}
+    out["alone"] = _layer_pass(copy.deepcopy(experts), layer_inputs(0, own_only=True))
     out["grads"] = {name: getattr(experts, name).grad.clone() for name in ("gate_up_proj", "down_proj")}
     return out
 
@@ -128,8 +133,9 @@ def test_one_layer_matches_the_whole_experts(model_dir: str, layer_group: list[d
 
 def test_one_layer_with_no_tokens_on_one_rank(model_dir: str, layer_group: list[dict]) -> None:
     reference = layer_reference(model_dir)
-    torch.testing.assert_close(layer_group[0]["alone"], reference[0]["out"], atol=LAYER_ATOL, rtol=0)
-    assert layer_group[1]["alone"].shape == (0, 128)
+    for key in ("out", "hidden_grad", "weights_grad"):
+        torch.testing.assert_close(layer_group[0]["alone"][key], reference["alone"][key], atol=LAYER_ATOL, rtol=0)
+    assert layer_group[1]["alone"]["out"].shape == (0, 128)
 
 
 def test_one_layer_keeps_its_block_of_experts(layer_group: list[dict]) -> None:
