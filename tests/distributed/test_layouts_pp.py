@@ -249,3 +249,61 @@ def test_critic_stages_equal_the_critic(tiny_dir: str) -> None:
     want = value_forward(critic(), micro[0], temperature=1.0, router_logits=False).values
     got = chain([split_model(critic(), i, 2) for i in range(2)], micro[0], micro[-1], "values").values
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+
+# ----------------------------------------------------------------------------- every objective
+
+
+def objective_learner(model_dir: str, name: str, parallelism):
+    """A learner for objective ``name`` (``sft``, ``dpo``: pairs, unit 2, or ``critic``:
+    a value model) with the harness's lr, clip, budget and Adam eps, and its batch."""
+    from layout_workers import build_learner
+    from learner_group_workers import ADAM_EPS, GRAD_CLIP, LR
+
+    from rltune.config.schema import AlgoConfig, TrainConfig
+    from rltune.learner.learner import LocalLearner
+    from rltune.learner.objectives import value_objective
+    from rltune.learner.preference import dpo_objective
+    from rltune.models.value import ValueModel
+
+    batch = global_batch(model_dir, 0)
+    g = torch.Generator().manual_seed(1)
+    if name == "sft":
+        return build_learner(load_model(model_dir), parallelism, "sft"), batch
+    if name == "dpo":
+        objective, model = dpo_objective(AlgoConfig(name="dpo")), load_model(model_dir)
+        batch.ref_seq_logps = (batch.old_logprobs * batch.loss_mask).sum(-1) + torch.randn(len(batch), generator=g)
+    else:
+        objective, model = value_objective(AlgoConfig(name="ppo")), ValueModel(load_model(model_dir).model, 128)
+        batch.returns = torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
+        batch.values = 0.1 * torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
+    cfg = TrainConfig(lr=LR, grad_clip=GRAD_CLIP, micro_batch_tokens=BUDGET)
+    learner = LocalLearner(model, objective, cfg, parallelism=parallelism)
+    for group in learner.optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    return learner, batch
+
+
+def objective_runs(model_path: str, names: list[str]) -> list[dict]:
+    """One rank of a pp=2 (1F1B) group: two steps of each objective of ``names``."""
+    torch.set_num_threads(1)
+    out = []
+    for name in names:
+        learner, batch = objective_learner(resolve_model(model_path), name, MeshParallelism(Layout(pp=2)))
+        out.append(run_steps(learner, batch, 2))
+    return out
+
+
+@pytest.mark.slow
+def test_pp2_every_objective_equals_one_process(tiny_dir: str) -> None:
+    """SFT, DPO (pairs: unit 2, the pair-count denominator) and PPO's critic (the value
+    head on the last stage) through the 1F1B schedule equal one process."""
+    names = ["sft", "dpo", "critic"]
+    ranks = spawn_learner_group(2, objective_runs, tiny_dir, names, backend="gloo", timeout_s=400)
+    torch.set_num_threads(1)
+    for k, name in enumerate(names):
+        learner, batch = objective_learner(tiny_dir, name, NoParallelism())
+        ref = run_steps(learner, batch, 2)
+        for rank in ranks:
+            assert_equal_to_reference(rank[k], ref)
