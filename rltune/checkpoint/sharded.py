@@ -128,7 +128,8 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     optim_sd = None
     if meta["stepped"]:
         optim_sd = get_optimizer_state_dict(model, optimizer)
-        optim_target = {f"{OPTIMIZER}{fqn}.{name}": v for fqn, entries in optim_sd["state"].items()
+        optim_target = {_stored_name(saved, meta.get("tied", {}), fqn, name): v
+                        for fqn, entries in optim_sd["state"].items()
                         for name, v in entries.items() if isinstance(v, torch.Tensor)}
         _check_against(saved, optim_target, where, "optimizer state")
         target.update(optim_target)
@@ -263,13 +264,24 @@ def _check_against(saved: Mapping[str, tuple], live: Mapping[str, torch.Tensor],
             )
 
 
+def _stored_name(saved: Mapping[str, Any], tied: Mapping[str, str], fqn: str, name: str) -> str:
+    """The DCP name of parameter ``fqn``'s optimizer entry ``name``: its own, or that of
+    the parameter the saving model tied it to (a pipeline's last stage holds its own copy
+    of a tied head, whose state was saved under the embedding's name)."""
+    key = f"{OPTIMIZER}{fqn}.{name}"
+    if key not in saved and fqn in tied:
+        return f"{OPTIMIZER}{tied[fqn]}.{name}"
+    return key
+
+
 def _set_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict,
                    target: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
     """The loaded tensors (and the JSON entries) back into ``optimizer`` by name."""
     state = {}
+    saved_names = {name: None for name in target}
     for fqn, entries in optim_sd["state"].items():
-        state[fqn] = {name: target[f"{OPTIMIZER}{fqn}.{name}"] if isinstance(v, torch.Tensor) else v
-                      for name, v in entries.items()}
+        state[fqn] = {name: target[_stored_name(saved_names, meta.get("tied", {}), fqn, name)]
+                      if isinstance(v, torch.Tensor) else v for name, v in entries.items()}
         state[fqn].update(meta["state"].get(fqn, {}))
     loaded = {"state": state, "param_groups": optim_sd["param_groups"]}
     set_optimizer_state_dict(model, optimizer, loaded, options=StateDictOptions(strict=True))
@@ -279,9 +291,14 @@ def _restore_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, me
                     where: str) -> None:
     """The saved hyperparameters (learning rate, betas, ...) into the live groups, which
     must hold the same parameters; tuples kept as the live ones are (JSON has lists)."""
-    names = _groups_by_name(model, optimizer)
-    if [g["params"] for g in names] != [g["params"] for g in meta["param_groups"]]:
-        raise CheckpointError(f"{where}: the optimizer's parameter groups differ from the saved ones")
+    names, tied = _groups_by_name(model, optimizer), meta.get("tied", {})
+    saved_groups = [set(g["params"]) for g in meta["param_groups"]]
+    # a pipeline stage holds some of the saved parameters; a tied copy is saved as its twin
+    if len(names) != len(saved_groups) or any(
+            not all(n in saved or tied.get(n) in saved for n in live["params"])
+            for live, saved in zip(names, saved_groups)):
+        raise CheckpointError(f"{where}: the optimizer's parameter groups hold other parameters than the "
+                              f"saved ones ({len(saved_groups)} group(s)); build the optimizer as the saving run did")
     for live, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for key, value in saved.items():
             if key == "params":

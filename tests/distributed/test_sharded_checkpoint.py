@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import contextlib
+
 import pytest
 import torch
+import torch.distributed as dist
 from learner_group_workers import make_batch, make_learner
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -38,6 +41,8 @@ from rltune.learner.parallel import NoParallelism, make_parallelism
 from rltune.models.load import load_model, resolve_model
 from rltune.parallel.layout import Layout
 from rltune.parallel.strategy import MeshParallelism
+from rltune.runtime.ray import sync
+from rltune.runtime.ray.gather import Gathering, gather_one_by_one, send_streamed
 from rltune.runtime.state import apply_learner_state, sharded_learner_state
 
 PARAM_ATOL = 1e-6
@@ -91,10 +96,47 @@ def save_then_resume(model_dir: str, batch: TrainBatch, layout: str, directory: 
     apply_learner_state(resumed, {}, meta, Path(directory), "")
     resumed.step(rows)
     out["resumed"] = weights(resumed)
+    out["sync"] = weight_sync(resumed)
     control = build(model_dir, layout)
     load_sharded(control.model, control.optimizer, Path(directory) / "learner", {**meta["optimizer"], "stepped": False})
     control.step(rows)
     out["weights_only"] = weights(control)
+    return out
+
+
+class RecordingChannel:
+    """Stands in for the weight channel's sender: reads the mapping as
+    ``sync.WeightChannel.send`` does (bucket by bucket, each gathered into one flat
+    tensor) and keeps the flats; ``fail_after``: raises after that many buckets."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.flats: list[torch.Tensor] = []
+        self.fail_after = fail_after
+
+    def send(self, tensors, version: int) -> int:
+        for names in sync.buckets(tensors):
+            if self.fail_after is not None and len(self.flats) == self.fail_after:
+                raise ConnectionError("a receiver is gone")
+            self.flats.append(torch.cat([tensors[n].reshape(-1) for n in names]))
+        return sum(f.numel() * f.element_size() for f in self.flats)
+
+
+def weight_sync(learner) -> dict:
+    """The weights as the generators get them from a sharded group: gathered one tensor
+    at a time (rank 0 keeps them), broadcast bucket by bucket (small buckets here), a send
+    that fails midway, and a gather after it (the group's collectives still match)."""
+    sync.BUCKET_BYTES = 64 * 1024
+    sender = dist.get_rank() == 0
+    out = {"kept": gather_one_by_one(learner, keep=sender) or {}}
+    channel = RecordingChannel()
+    send_streamed(channel, learner, sender=sender)
+    out["flats"] = channel.flats
+    out["buckets"] = sync.buckets(Gathering(learner.model))
+    with contextlib.suppress(ConnectionError):
+        send_streamed(RecordingChannel(fail_after=1), learner, sender=sender)
+    out["after_failure"] = gather_one_by_one(learner, keep=sender) or {}
+    out["local_numel"] = {k: (v.to_local() if isinstance(v, DTensor) else v).numel()
+                          for k, v in Gathering(learner.model).items()}
     return out
 
 
@@ -196,12 +238,18 @@ def test_tp2_checkpoint_loads_into_another_layout(layout: str, model_dir: str, b
     else:
         ranks = spawn_learner_group(2, load_then_step, *args, backend="gloo", timeout_s=300)
     saved, reference = tp_run["ranks"][0]["saved"], tp_run["ranks"][0]["uninterrupted"]
+    tied = tp_run["meta"]["tied"]
+
+    def saved_as(key: str) -> str:  # the last pipeline stage's own head: saved as the embedding
+        fqn, entry = key.rsplit(".", 1)
+        return f"{tied.get(fqn, fqn)}.{entry}"
+
     held: set[str] = set()
     for rank in ranks:
         assert same(rank["weights"], saved["weights"]) == []
         # a pipeline stage holds its own layers' optimizer state only
-        assert same(rank["optimizer"], {k: saved["optimizer"][k] for k in rank["optimizer"]}) == []
-        held |= set(rank["optimizer"])
+        assert same(rank["optimizer"], {k: saved["optimizer"][saved_as(k)] for k in rank["optimizer"]}) == []
+        held |= {saved_as(k) for k in rank["optimizer"]}
         assert max_abs_diff(rank["stepped"], reference) < PARAM_ATOL
     assert held == set(saved["optimizer"])
 
@@ -250,3 +298,20 @@ def test_export_from_a_sharded_checkpoint_is_the_groups_model(tp_run: dict, tmp_
     # the tied head is written once by save_pretrained
     assert same({k: exported[k] for k in exported}, {k: saved[k] for k in exported}) == []
     assert set(saved) - set(exported) <= {"lm_head.weight"}
+
+
+def test_weight_sync_gathers_one_tensor_at_a_time(tp_run: dict) -> None:
+    """Rank 0 gets the full weights whether kept or broadcast in buckets; a send that
+    fails after its first bucket leaves the group able to gather again; the mapping the
+    channel plans its buckets from holds only each rank's shards."""
+    rank0 = tp_run["ranks"][0]["sync"]
+    full = tp_run["ranks"][0]["resumed"]
+    assert same(rank0["kept"], full) == []
+    assert same(rank0["after_failure"], full) == []
+    assert len(rank0["buckets"]) > 1
+    assert [len(f) for f in rank0["flats"]] == [sum(full[n].numel() for n in names) for names in rank0["buckets"]]
+    for flat, names in zip(rank0["flats"], rank0["buckets"]):
+        assert torch.equal(flat, torch.cat([full[n].reshape(-1) for n in names]))
+    local = rank0["local_numel"]
+    assert local["model.layers.0.self_attn.q_proj.weight"] * 2 == full["model.layers.0.self_attn.q_proj.weight"].numel()
+    assert tp_run["ranks"][1]["sync"]["kept"] == {}
