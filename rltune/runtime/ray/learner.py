@@ -61,7 +61,8 @@ from rltune.runtime.ray.learner_layout import (
     position_of,
 )
 from rltune.checkpoint.sharded import writes_shards
-from rltune.runtime.ray.fsdp_state import _to_cpu, rank_checkpoint_state, rank_load_checkpoint_state
+from rltune.runtime.ray.fsdp_state import _to_cpu, rank_checkpoint_state, rank_load_checkpoint_state  # noqa: F401 - roles.py takes _to_cpu from here
+from rltune.runtime.ray.gather import gather_one_by_one, send_streamed
 
 ROLE = "learner"
 """The placement role of the learner actors (``runtime.placement.learner``)."""
@@ -151,11 +152,12 @@ class LearnerActor:
     def export_weights(self) -> tuple[list[ray.ObjectRef], int] | None:
         """Rank 0: ``([ref], version)``, ``ref`` to the full weights put into Ray's object
         store by this actor (in a list, so that Ray hands the driver the reference and
-        not the tensors). Other ranks take part in FSDP2's gather and return None."""
-        weights = self.learner.export_weights()
+        not the tensors). Other ranks take part in gathering the sharded weights, one tensor
+        at a time (``rltune/runtime/ray/gather.py``), and return None."""
+        weights = gather_one_by_one(self.learner, keep=self.rank == 0)
         if self.rank != 0:
             return None
-        return [ray.put(_to_cpu(weights))], self.learner.version
+        return [ray.put(weights)], self.learner.version
 
     # -- weights by broadcast (runtime.weight_sync: broadcast) ---------------------------
 
@@ -174,14 +176,14 @@ class LearnerActor:
             channel.close()
 
     def send_weights(self) -> tuple[int, int, str | None] | None:
-        """Broadcast the full weights on the channel (FSDP2: every rank takes part in
-        gathering them, rank 0 sends). Rank 0: ``(version, bytes, error)``; a failed send
-        (a receiver gone) is reported, not raised, so the group stays usable."""
-        weights = self.learner.export_weights()
+        """Broadcast the full weights on the channel (sharded: every rank takes part in
+        gathering them tensor by tensor as rank 0 fills and sends each bucket,
+        ``rltune/runtime/ray/gather.py``). Rank 0: ``(version, bytes, error)``; a failed
+        send (a receiver gone) is reported, not raised, so the group stays usable."""
         if self.rank != 0:
-            return None
+            return send_streamed(None, self.learner, sender=False)
         try:
-            sent = self.channel.send(weights, self.learner.version)
+            sent = send_streamed(self.channel, self.learner, sender=True)
         except Exception as err:  # noqa: BLE001 - the driver decides: re-form the channel
             return self.learner.version, 0, f"{type(err).__name__}: {err}"
         return self.learner.version, sent, None
