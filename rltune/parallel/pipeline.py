@@ -51,7 +51,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from rltune.data.records import TrainBatch
 from rltune.learner.objectives import Objective, logprob_forward
 from rltune.metrics.types import Aggregator, Metric
-from rltune.models.logprobs import LogProbOutput, entropy_from_logits, position_ids_from_mask, token_logprobs
+from rltune.models.logprobs import LogProbOutput, _token_stats, position_ids_from_mask
 
 try:
     from torch.distributed.tensor import DTensor
@@ -128,8 +128,8 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             hidden = self._layers(x, attention_mask)
-            if not self.is_last:
-                return hidden.to(self.wire_dtype)
+            if not self.is_last:  # tensor parallel without sequence parallel: replicated
+                return (hidden.to_local() if isinstance(hidden, DTensor) else hidden).to(self.wire_dtype)
             if self.head is None:
                 raise RuntimeError("the last pipeline stage ran without a head (set by Pipeline.train/predict)")
             return self.head(hidden, attention_mask)
@@ -238,10 +238,9 @@ def stage_output(kind: str, out: torch.Tensor, mb: TrainBatch, *, temperature: f
     if kind == "values":
         values = out[:rows, :width]
         return ValueOutput(values=torch.where(valid, values, values.new_zeros(())))
-    logits = out[:rows, :width] / temperature
-    zero = logits.new_zeros(())
-    logprobs = torch.where(valid, token_logprobs(logits, mb.input_ids[:, mb.prompt_len :]), zero)
-    entropy = torch.where(valid, entropy_from_logits(logits), zero) if with_entropy else None
+    # logits a tensor-parallel head left split over the vocabulary are read shard by shard
+    logprobs, entropy = _token_stats(out[:rows, :width] / temperature, mb.input_ids[:, mb.prompt_len :],
+                                     valid, with_entropy)
     return LogProbOutput(logprobs=logprobs, entropy=entropy)
 
 
@@ -319,8 +318,9 @@ class Pipeline:
         divided by ``denominator``; returns the step's loss and metrics, the same on every
         ``pp`` rank. The gradients are this stage's (tied copies summed)."""
         if aux_loss_coef > 0:
-            raise ValueError("train.parallel.pp > 1 does not collect MoE router logits across stages: set "
-                             "the auxiliary load-balancing loss coefficient to 0 (or pp = 1)")
+            raise ValueError("train.parallel.pp > 1 does not gather MoE router logits across stages, so it "
+                             f"cannot add the load-balancing loss (coefficient {aux_loss_coef}): set "
+                             "model.router_aux_loss_coef: 0 (or train.parallel.pp: 1)")
         kind, with_entropy = head_kind(objective.forward)
         agg, losses = Aggregator(), []
 
@@ -459,6 +459,9 @@ def build_pipeline(model: nn.Module, mesh: Any, *, schedule: str, device: torch.
 
 def apply_pipeline(model: nn.Module, mesh: Any, layout: Any) -> Pipeline:
     """:func:`build_pipeline` with ``layout.pp_schedule``, on the device of ``model``."""
+    if layout.tp > 1 and layout.sequence_parallel:
+        raise ValueError("train.parallel: pp > 1 with tp > 1 sends replicated hidden states between stages; "
+                         "sequence_parallel (sequence-sharded ones) is not supported with pp: set it to false")
     return build_pipeline(model, mesh, schedule=layout.pp_schedule, device=next(model.parameters()).device)
 
 
