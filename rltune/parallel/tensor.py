@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -98,6 +98,46 @@ class _Replicated(ParallelStyle):
             return output.to_local() if isinstance(output, DTensor) else output
 
         return distribute_module(module, device_mesh, replicate, to_dtensor, to_local)
+
+
+class _VocabEmbedding(ParallelStyle):
+    """``nn.Embedding`` split on the vocabulary (Megatron's vocab-parallel embedding):
+    each rank looks up the ids in its slice from its local ``[V/tp, H]`` rows, 0 for the
+    others, and the partial outputs are summed (an all-reduce, or a reduce-scatter to
+    sequence shards ``output_layout=Shard(1)``).
+
+    The lookup runs on the local rows, not through DTensor's embedding: DTensor computes
+    a row-sharded embedding's weight gradient as a whole ``[V, H]`` matrix on every rank
+    and reduce-scatters it, which costs a vocabulary-sized buffer and collective per
+    backward; here each rank's gradient is its own rows', with no collective. The
+    ``padding_idx`` row (no gradient) is the global one, on the rank that holds it."""
+
+    def __init__(self, output_layout: Any, use_local_output: bool) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight = module.weight
+        module.register_parameter("weight", nn.Parameter(
+            distribute_tensor(weight.detach(), device_mesh, [Shard(0)], src_data_rank=0),
+            requires_grad=weight.requires_grad))
+        layout, local_output = self.output_layout, self.use_local_output
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            rows = module.weight.to_local()
+            start = device_mesh.get_local_rank() * rows.shape[0]
+            inside = (ids >= start) & (ids < start + rows.shape[0])
+            pad = module.padding_idx
+            pad = pad - start if pad is not None and start <= pad < start + rows.shape[0] else None
+            out = nn.functional.embedding(torch.where(inside, ids - start, 0), rows, padding_idx=pad)
+            out = out * inside.unsqueeze(-1).to(out.dtype)
+            out = DTensor.from_local(out, device_mesh, [Partial()], run_check=False).redistribute(
+                device_mesh, [layout])
+            return out.to_local() if local_output else out
+
+        module.forward = forward
+        return module
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
@@ -207,8 +247,7 @@ def _parallelize_ends(model: nn.Module, mesh: DeviceMesh, sp: bool) -> None:
     stay sharded on the vocabulary (a ``Shard(-1)`` DTensor)."""
     act = Shard(1) if sp else Replicate()
     plan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
-                                              use_local_output=not sp),
+        "model.embed_tokens": _VocabEmbedding(act, use_local_output=not sp),
         "model.norm": SequenceParallel() if sp else _Replicated(Replicate()),
         "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
     }
