@@ -321,6 +321,9 @@ class Pipeline:
             raise ValueError("train.parallel.pp > 1 does not gather MoE router logits across stages, so it "
                              f"cannot add the load-balancing loss (coefficient {aux_loss_coef}): set "
                              "model.router_aux_loss_coef: 0 (or train.parallel.pp: 1)")
+        if any(getattr(mb, "routes", None) is not None for mb in micro):
+            raise ValueError("train.parallel.pp > 1 does not replay recorded MoE routes (the stages' routers "
+                             "are not given them): set model.moe.routing_replay: off, or train.parallel.pp: 1")
         kind, with_entropy = head_kind(objective.forward)
         agg, losses = Aggregator(), []
 
@@ -335,7 +338,7 @@ class Pipeline:
             losses.append(loss.detach().float())
             return loss
 
-        self._run(equalise(micro, forwards), kind, autocast, loss_fn=loss_fn)
+        self._run(equalise(micro, self._count(forwards)), kind, autocast, loss_fn=loss_fn)
         self.sync_tied()
         total = float(torch.stack(losses).sum()) if self.stage.is_last else None
         return self._share(total, agg.result() if self.stage.is_last else None)
@@ -349,15 +352,21 @@ class Pipeline:
         kind, with_entropy = head_kind(forward)
         rows = sum(len(c) for c in chunks)
         result = torch.empty(rows, chunks[0].completion_len, dtype=torch.float32, device=self.device)
-        out = self._run(equalise(chunks, forwards), kind, autocast, loss_fn=None)
+        count = self._count(forwards)
+        out = self._run(equalise(chunks, count), kind, autocast, loss_fn=None)
         if self.stage.is_last:
-            size = len(out) // forwards
+            size = len(out) // count
             parts = [getattr(stage_output(kind, out[k * size : (k + 1) * size], c, temperature=temperature,
                                           with_entropy=with_entropy), field).float()
                      for k, c in enumerate(chunks)]
             result.copy_(torch.cat(parts))
         dist.broadcast(result, src=self.last_rank, group=self.group)
         return result
+
+    def _count(self, forwards: int) -> int:
+        """How many pipeline micro-batches run ``forwards`` forwards: 1F1B needs at least
+        one per stage (the extra ones are padding, with zero loss)."""
+        return max(forwards, self.stage.stages) if self.schedule == "1f1b" else forwards
 
     def _run(self, equal: EqualBatches, kind: str, autocast: Callable[[], Any], *,
              loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor | None:

@@ -119,16 +119,19 @@ def test_pp2_gpipe_and_1f1b_equal_one_process(tiny_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_pp2_by_dp_shard2_equals_one_process(tiny_dir: str) -> None:
-    """Four ranks: two stages, each sharded (FSDP2, the stage as root) over two data ranks."""
+def test_pp2_by_dp_shard2_and_by_tp2_equal_one_process(tiny_dir: str) -> None:
+    """Four ranks: two stages, each sharded (FSDP2, the stage as root) over two data
+    ranks; then two stages, each tensor parallel over two ranks (the tied head's copy
+    vocabulary-sharded like the embedding it copies)."""
     from rltune.data.shards import shard_bounds
 
-    layout = {**PP2, "dp_shard": 2, "pp_schedule": "1f1b"}
-    ranks = spawn_learner_group(4, pp_runs, tiny_dir, [(layout, False)], backend="gloo", timeout_s=500)
+    runs = [({**PP2, "dp_shard": 2, "pp_schedule": "1f1b"}, False), ({**PP2, "tp": 2, "pp_schedule": "gpipe"}, False)]
+    ranks = spawn_learner_group(4, pp_runs, tiny_dir, runs, backend="gloo", timeout_s=700)
     ref = reference_with_logprobs(tiny_dir)
-    for (got,) in ranks:
-        start, stop = shard_bounds(len(ref["logprobs"]), got["data_rank"], got["data_world"])
-        assert_equal_to_reference(got, ref, logprob_rows=slice(start, stop))
+    for rank in ranks:
+        for got in rank:
+            start, stop = shard_bounds(len(ref["logprobs"]), got["data_rank"], got["data_world"])
+            assert_equal_to_reference(got, ref, logprob_rows=slice(start, stop))
 
 
 def test_stage_layer_ranges_balanced_and_refused() -> None:
@@ -271,6 +274,10 @@ def objective_learner(model_dir: str, name: str, parallelism):
     g = torch.Generator().manual_seed(1)
     if name == "sft":
         return build_learner(load_model(model_dir), parallelism, "sft"), batch
+    if name == "whole":  # GRPO, the batch in one micro-batch: fewer than 1F1B's one per stage
+        learner = build_learner(load_model(model_dir), parallelism)
+        learner.cfg = learner.cfg.model_copy(update={"micro_batch_tokens": 100_000})
+        return learner, batch
     if name == "dpo":
         objective, model = dpo_objective(AlgoConfig(name="dpo")), load_model(model_dir)
         batch.ref_seq_logps = (batch.old_logprobs * batch.loss_mask).sum(-1) + torch.randn(len(batch), generator=g)
@@ -292,18 +299,24 @@ def objective_runs(model_path: str, names: list[str]) -> list[dict]:
     for name in names:
         learner, batch = objective_learner(resolve_model(model_path), name, MeshParallelism(Layout(pp=2)))
         out.append(run_steps(learner, batch, 2))
+        if name == "whole":  # and a prediction in one chunk
+            out[-1]["logprobs"] = learner.logprobs(batch)
     return out
 
 
 @pytest.mark.slow
 def test_pp2_every_objective_equals_one_process(tiny_dir: str) -> None:
     """SFT, DPO (pairs: unit 2, the pair-count denominator) and PPO's critic (the value
-    head on the last stage) through the 1F1B schedule equal one process."""
-    names = ["sft", "dpo", "critic"]
+    head on the last stage) through the 1F1B schedule equal one process; so does GRPO
+    with the whole batch in one micro-batch (1F1B runs a padding one for the second
+    stage)."""
+    names = ["sft", "dpo", "critic", "whole"]
     ranks = spawn_learner_group(2, objective_runs, tiny_dir, names, backend="gloo", timeout_s=400)
     torch.set_num_threads(1)
     for k, name in enumerate(names):
         learner, batch = objective_learner(tiny_dir, name, NoParallelism())
         ref = run_steps(learner, batch, 2)
+        if name == "whole":
+            ref["logprobs"] = learner.logprobs(batch)
         for rank in ranks:
-            assert_equal_to_reference(rank[k], ref)
+            assert_equal_to_reference(rank[k], ref, logprob_rows=slice(None) if name == "whole" else None)
