@@ -40,6 +40,7 @@ from rltune.learner.launch import spawn_learner_group
 from rltune.models.load import load_model, resolve_model
 from rltune.parallel.experts import (
     EXPERT_WEIGHTS,
+    ExpertParallelError,
     ExpertParallelExperts,
     apply_expert_parallel,
     expert_parameters,
@@ -143,6 +144,44 @@ def test_one_layer_keeps_its_block_of_experts(layer_group: list[dict]) -> None:
     for rank, got in enumerate(layer_group):
         assert got["first_expert"] == 2 * rank
         assert got["local_shape"] == [2, 512, 128]
+
+
+@pytest.fixture
+def one_rank_ep_mesh():
+    """A 1-rank ep mesh in this process (a one-process gloo group, removed after)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))["ep"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_refuses_a_dense_model(one_rank_ep_mesh, tmp_path) -> None:
+    dense = load_model(resolve_model("builtin:tiny", cache_dir=str(tmp_path)))
+    with pytest.raises(ExpertParallelError, match="no MoE experts module.*set ep to 1"):
+        apply_expert_parallel(dense, one_rank_ep_mesh)
+
+
+def test_refuses_experts_of_another_compute(one_rank_ep_mesh, model_dir: str) -> None:
+    model = load_model(model_dir)
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 512))
+    with pytest.raises(ExpertParallelError, match=r"Qwen2MoeExperts: .*'gate_up_proj_bias'"):
+        apply_expert_parallel(model, one_rank_ep_mesh)
+
+
+def test_one_rank_is_the_whole_experts_module(one_rank_ep_mesh, model_dir: str) -> None:
+    # ep=1: the block is every expert, the exchanges send everything to this rank
+    model = load_model(model_dir)
+    whole = copy.deepcopy(model.model.layers[0].mlp.experts)
+    apply_expert_parallel(model, one_rank_ep_mesh)
+    inputs = layer_inputs(0)
+    got = _layer_pass(model.model.layers[0].mlp.experts, inputs)
+    want = _layer_pass(whole, inputs)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=LAYER_ATOL, rtol=0)
+    with pytest.raises(ExpertParallelError, match="already applied"):
+        apply_expert_parallel(model, one_rank_ep_mesh)
 
 
 # ----------------------------------------------------------------------------- two steps
