@@ -43,7 +43,8 @@ from rltune.parallel.layout import Layout
 from rltune.parallel.strategy import MeshParallelism
 from rltune.runtime.ray import sync
 from rltune.runtime.ray.gather import Gathering, gather_one_by_one, send_streamed
-from rltune.runtime.state import apply_learner_state, sharded_learner_state
+from rltune.runtime.ray.fsdp_state import rank_load_checkpoint_state
+from rltune.runtime.state import apply_learner_state, learner_state, sharded_learner_state
 
 PARAM_ATOL = 1e-6
 
@@ -138,6 +139,15 @@ def weight_sync(learner) -> dict:
     out["local_numel"] = {k: (v.to_local() if isinstance(v, DTensor) else v).numel()
                           for k, v in Gathering(learner.model).items()}
     return out
+
+
+def load_one_file(model_dir: str, layout: str, tensors: dict, meta: dict) -> dict:
+    """One rank: a one-file checkpoint (one process's) into ``layout``, every rank taking
+    its part of the full tensors."""
+    torch.set_num_threads(1)
+    learner = build(model_dir, layout)
+    rank_load_checkpoint_state(learner, "mesh", tensors, meta, Path("one-file"), "")
+    return {"weights": weights(learner), "optimizer": full_optimizer(learner), "version": learner.version}
 
 
 def load_then_step(model_dir: str, batch: TrainBatch, layout: str, directory: str, meta: dict) -> dict:
@@ -315,3 +325,67 @@ def test_weight_sync_gathers_one_tensor_at_a_time(tp_run: dict) -> None:
     local = rank0["local_numel"]
     assert local["model.layers.0.self_attn.q_proj.weight"] * 2 == full["model.layers.0.self_attn.q_proj.weight"].numel()
     assert tp_run["ranks"][1]["sync"]["kept"] == {}
+
+
+@pytest.mark.slow  # a group of its own (~20-60 s here)
+def test_a_one_file_checkpoint_loads_into_a_tp_group(model_dir: str, batch: TrainBatch) -> None:
+    local = build(model_dir, "none")
+    local.step(batch)
+    tensors, meta = learner_state(local, "")
+    tensors = {k: {n: t.clone() for n, t in v.items()} for k, v in tensors.items()}
+    ranks = spawn_learner_group(2, load_one_file, model_dir, "tp", tensors, meta, backend="gloo", timeout_s=300)
+    for rank in ranks:
+        assert same(rank["weights"], weights(local)) == []
+        assert same(rank["optimizer"], full_optimizer(local)) == []
+        assert rank["version"] == 1
+
+
+RUN_REWARD = '''
+def digit_share(prompt, completion, **meta):
+    """Share of the completion's characters that are digits."""
+    return sum(ch.isdigit() for ch in completion) / len(completion) if completion else 0.0
+'''
+
+
+@pytest.mark.slow  # two `rltune train` runs on a local Ray, three actors each (minutes here)
+def test_a_tp2_ray_run_resumed_from_its_sharded_checkpoint_is_the_run_that_did_not_stop(tmp_path: Path) -> None:
+    """``rltune train`` at tp=2 on Ray writes sharded checkpoints; a second run resumed
+    from the first one's step-2 checkpoint takes step 3 as the first run did (loss,
+    gradient norm, reward to the bit), and ``rltune export`` of each run's last
+    checkpoint gives the same weights."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    import json
+
+    import yaml
+
+    from rltune.cli import main
+
+    (tmp_path / "rewards.py").write_text(RUN_REWARD)
+    config = {
+        "name": "a", "model": {"path": "builtin:tiny"}, "algo": {"name": "grpo", "group_size": 4},
+        "data": {"train": "builtin:arith_small/train"}, "reward": [{"fn": "rewards.py:digit_share"}],
+        "rollout": {"max_new_tokens": 8},
+        "train": {"steps": 3, "prompts_per_step": 4, "lr": 1e-3, "threads": 1},
+        "log": {"dir": str(tmp_path / "runs"), "console": False},
+        "checkpoint": {"every": 1, "keep": 5, "final": False},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    tp = ("runtime.mode=ray", "runtime.placement.learners=2", "train.parallel.tp=2")
+    runs = tmp_path / "runs"
+    assert main(["train", str(path), "name=a", *tp]) == 0
+    step2 = runs / "a" / "checkpoints" / "step-2"
+    assert len(shard_files(step2 / "learner")) == 2
+    assert main(["train", str(path), "name=b", *tp, f"checkpoint.resume={step2}"]) == 0
+
+    def metrics(name: str) -> list[dict]:
+        return [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+
+    first, resumed = metrics("a")[-1], metrics("b")[-1]
+    assert first["step"] == resumed["step"] == 3
+    for key in ("loss", "grad_norm", "reward/mean"):
+        assert first[key] == resumed[key], key
+    assert main(["export", str(runs / "a"), str(tmp_path / "a-hf")]) == 0
+    assert main(["export", str(runs / "b"), str(tmp_path / "b-hf")]) == 0
+    a, b = load_file(tmp_path / "a-hf" / "model.safetensors"), load_file(tmp_path / "b-hf" / "model.safetensors")
+    assert same(a, b) == []
