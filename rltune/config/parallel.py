@@ -55,3 +55,30 @@ class MoeConfig(_Section):
     """Auxiliary-loss-free load balancing: after each step every expert's routing bias
     moves by this much toward an even load (0: off). The bias changes which experts are
     chosen, not their weights."""
+
+
+def moe_problems(moe: MoeConfig, *, engine: str, env: str | None) -> list[str]:
+    """``model.moe`` options the rollout side (``rollout.engine``, ``env.name``) cannot
+    honour. A dense model with either option is refused when it loads: the config does
+    not know the architecture."""
+    problems = []
+    replay = moe.routing_replay == "rollout"
+    if replay and engine == "vllm":
+        problems.append(
+            "model.moe.routing_replay: rollout needs the experts each generated token was routed "
+            "to; vLLM's generate API returns tokens and log-probs only, so there is nothing to "
+            "replay: use rollout.engine=hf, or routing_replay: off"
+        )
+    if moe.aux_free_bias > 0 and engine == "vllm":
+        problems.append(
+            "model.moe.aux_free_bias adds a per-expert bias buffer to rltune's routers, which "
+            "vLLM's MoE layers do not have: generation would route differently from the learner; "
+            "use rollout.engine=hf, or aux_free_bias: 0"
+        )
+    if replay and env is not None:
+        problems.append(
+            "model.moe.routing_replay: rollout with env.name: a multi-turn episode is joined from "
+            "several generations and environment turns, whose tokens have no recorded routes; set "
+            "routing_replay: off for environment runs"
+        )
+    return problems

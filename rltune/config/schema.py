@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rltune.config.parallel import MoeConfig, ParallelConfig
+from rltune.config.parallel import MoeConfig, ParallelConfig, moe_problems
 from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
 
 
@@ -448,7 +448,8 @@ class Config(_Section):
     def _check(self) -> "Config":
         """Checks across sections that hold for every algorithm; those that depend on
         which algorithm it is are the registry's (``rltune.algos.config_problems``)."""
-        for problem in _algo_problems(self.algo) + _reward_name_problems(self):
+        for problem in _algo_problems(self.algo) + _reward_name_problems(self) + moe_problems(
+                self.model.moe, engine=self.rollout.engine, env=self.env.name):
             raise ValueError(problem)
         if self.runtime.max_staleness > 0 and self.algo.importance_correction == "none":
             raise ValueError(

@@ -50,7 +50,37 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> TrainBatch:
             right_pad([r.completion_logprobs for r in rollouts], 0.0) if have_logprobs else None
         ),
         versions=torch.tensor([r.policy_version for r in rollouts]),
+        routes=collate_routes(rollouts, prompt_len),
     )
+
+
+def collate_routes(rollouts: Sequence[Rollout], prompt_len: int) -> torch.Tensor | None:
+    """The rollouts' recorded MoE routes as ``[B, T, L, k]``, laid out like ``input_ids``
+    (prompt part left-padded to ``prompt_len``, completion part right-padded), -1 on
+    padding; None when no rollout has routes. Some with and some without is an error: the
+    learner would replay the routes of some samples only."""
+    have = [r.routes is not None for r in rollouts]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [r.prompt_id for r in rollouts if r.routes is None][:3]
+        raise ValueError(
+            f"{have.count(False)} of {len(rollouts)} rollouts carry no MoE routes (prompts "
+            f"{missing}...) while the others do; routing replay needs every sample's routes"
+        )
+    for r in rollouts:
+        if len(r.routes) != len(r.prompt_ids) + len(r.completion_ids):
+            raise ValueError(
+                f"rollout of prompt {r.prompt_id!r}: routes cover {len(r.routes)} tokens, its prompt "
+                f"and completion {len(r.prompt_ids)} + {len(r.completion_ids)}"
+            )
+    prompts = [r.routes[: len(r.prompt_ids)] for r in rollouts]
+    completions = [r.routes[len(r.prompt_ids):] for r in rollouts]
+    left = pad_sequence(prompts, batch_first=True, padding_value=-1, padding_side="left")
+    right = pad_sequence(completions, batch_first=True, padding_value=-1)
+    if left.shape[1] != prompt_len:
+        raise ValueError(f"routes cover {left.shape[1]} prompt columns, the batch has {prompt_len}")
+    return torch.cat([left, right], dim=1)
 
 
 def collate_sft(prompts: Sequence[Prompt], pad_id: int) -> TrainBatch:

@@ -82,6 +82,10 @@ class Rollout:
     environment, or it failed)."""
     env_error: str | None = None
     """Multi-turn episodes: why the environment failed; the sample then gets no reward."""
+    routes: torch.Tensor | None = None
+    """MoE models: ``[P_i + L, layers, k]`` int16, the experts each token of
+    ``prompt_ids`` then ``completion_ids`` was routed to in every MoE layer when it was
+    generated, -1 where none was (:mod:`rltune.models.routing`); None when not recorded."""
 
 
 @dataclass
@@ -110,6 +114,9 @@ class TrainBatch:
     ref_seq_logps: torch.Tensor | None = None  # [B] float32
     """Preference pairs: each row's completion log-prob summed over its tokens under the
     frozen reference model (rows ``2k``, ``2k + 1`` are pair ``k``'s chosen and rejected)."""
+    routes: torch.Tensor | None = None  # [B, T, L, k] int16
+    """MoE routing replay: per token of ``input_ids`` (aligned with it, not with the
+    completion) and MoE layer, the experts the generator chose; -1 where none."""
 
     @property
     def completion_len(self) -> int:
@@ -151,8 +158,9 @@ class TrainBatch:
             loss_mask=self.loss_mask[:, per_tok],
             **{
                 name: _trim_field(getattr(self, name), per_tok)
-                for name in _OPTIONAL_ROW_FIELDS
+                for name in _OPTIONAL_ROW_FIELDS if name != "routes"
             },
+            routes=None if self.routes is None else self.routes[:, cols],
         )
 
 
@@ -165,6 +173,7 @@ _OPTIONAL_ROW_FIELDS = (
     "values",
     "versions",
     "ref_seq_logps",
+    "routes",
 )
 
 

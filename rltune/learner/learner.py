@@ -14,8 +14,9 @@ from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
 from rltune.learner.parallel import NoParallelism, Parallelism, StepPlan
 from rltune.metrics import keys
-from rltune.metrics.types import Aggregator, Histogram, Last, Mean, Metric, Sum
+from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
+from rltune.models.routing import agreement_metrics, expert_load_metrics, update_routing_bias
 
 
 class NonFiniteError(RuntimeError):
@@ -85,7 +86,9 @@ class LocalLearner:
         applied = self._apply_gradients()  # the same on every rank: not combined
         result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:
-            result.update(expert_load_metrics(self.parallelism.sum(load)))
+            load = self.parallelism.sum(load)
+            result.update(expert_load_metrics(load))
+            update_routing_bias(self.model, load)  # aux-free balancing, after the optimizer step
         return result
 
     def _accumulate(self, batch: TrainBatch, micro: list[TrainBatch], plan: StepPlan
@@ -122,6 +125,7 @@ class LocalLearner:
         loss.backward()
         # values stay tensors through the micro-batches and become floats once per step
         agg.add(metrics, weight=self.objective.metric_weight(mb).detach().float())
+        agg.add(agreement_metrics(getattr(out, "route_agreement", None)))
         load = getattr(out, "expert_load", None)
         return loss.detach().float(), load
 
@@ -207,26 +211,6 @@ class LocalLearner:
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights (in a group, on every rank: FSDP2 gathers them)."""
         return self.parallelism.full_state_dict(self.model)
-
-
-def expert_load_metrics(load: torch.Tensor, *, per_expert_up_to: int = 16) -> dict[str, Metric]:
-    """How evenly an MoE model's routing spread over its experts in one step.
-
-    ``load`` ``[L, E]``: routing choices per layer and expert. Each expert's share of its
-    layer's choices is scaled by ``E``, so 1.0 is a perfectly even load: ``moe/load_max``
-    (the busiest expert of any layer), ``moe/load_min`` (the idlest), ``moe/load/eI``
-    (expert I averaged over layers, for models with at most ``per_expert_up_to`` experts)
-    and the histogram ``moe/expert_load`` of every layer's experts."""
-    layers, experts = load.shape
-    share = load / load.sum(-1, keepdim=True).clamp(min=1) * experts  # [L, E]
-    metrics: dict[str, Metric] = {
-        keys.MOE_LOAD_MAX: Mean(float(share.max())),
-        keys.MOE_LOAD_MIN: Mean(float(share.min())),
-        keys.MOE_EXPERT_LOAD: Histogram(share.reshape(-1)),
-    }
-    if experts <= per_expert_up_to:
-        metrics.update({keys.moe_expert_load_key(i): Mean(float(v)) for i, v in enumerate(share.mean(0))})
-    return metrics
 
 
 @torch.no_grad()

@@ -38,10 +38,11 @@ def logprob_forward(
     with_entropy: bool = True,
 ) -> LogProbOutput:
     """The policy's per-token log-probs (and, for the train step's metrics, entropy) of
-    ``mb``'s completions."""
+    ``mb``'s completions; an MoE batch's recorded routes go along (routing replay)."""
     return completion_logprobs(
         model, mb.input_ids, mb.attention_mask, mb.prompt_len,
         temperature=temperature, with_entropy=with_entropy, output_router_logits=router_logits,
+        routes=mb.routes,
     )
 
 

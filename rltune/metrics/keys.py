@@ -168,6 +168,22 @@ def restarts_key(role: str) -> str:
 MOE_LOAD_MAX = "moe/load_max"
 MOE_LOAD_MIN = "moe/load_min"
 MOE_EXPERT_LOAD = "moe/expert_load"
+MOE_ROUTER_AGREEMENT = "moe/router_agreement"
+"""The share of (attended completion token, MoE layer) routes whose top-k expert set, as
+the generator recorded it, equals the one the learner's router picks itself
+(:mod:`rltune.models.routing`)."""
+GENERATION = "gen"
+
+
+def generation_key(key: str) -> str:
+    """``gen/KEY``: ``KEY`` measured by the generator (``gen/moe/load_max``: the expert
+    load of the tokens it generated and read)."""
+    return f"{GENERATION}{SEP}{key}"
+
+
+GEN_MOE_LOAD_MAX = generation_key(MOE_LOAD_MAX)
+GEN_MOE_LOAD_MIN = generation_key(MOE_LOAD_MIN)
+GEN_MOE_EXPERT_LOAD = generation_key(MOE_EXPERT_LOAD)
 
 
 def moe_expert_load_key(expert: int) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rltune.models.load import is_moe
+from rltune.models.routing import routing_pass
 from rltune.parallel.tensor import vocab_parallel_token_stats, vocab_shard
 
 
@@ -34,6 +35,10 @@ class LogProbOutput:
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
+    route_agreement: torch.Tensor | None = None
+    """``[2]`` (no grad) when the batch carried recorded routes: how many (completion
+    token, MoE layer) routes the learner's router chose as recorded, of how many compared
+    (:mod:`rltune.models.routing`)."""
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -84,6 +89,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     output_router_logits: bool = False,
+    routes: torch.Tensor | None = None,
 ) -> LogProbOutput:
     """Per-token log-probs of ``input_ids[:, prompt_len:]`` given their prefixes.
 
@@ -98,19 +104,24 @@ def completion_logprobs(
     returns its router load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6,
     over the attended tokens of the whole sequence) as ``aux_loss``; a dense model returns
     None there.
+
+    ``routes`` ``[B, T, L, k]``: the experts the generator routed each token to; a model
+    installed with replay (:func:`rltune.models.routing.install_routing`) routes through
+    them, and the output's ``route_agreement`` counts how often its own router agrees.
     """
     _check_inputs(input_ids, attention_mask, prompt_len, temperature)
     completion_len = input_ids.shape[1] - prompt_len
     extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        # C + 1 positions: P - 1 .. T - 1; the last predicts past the end and is dropped.
-        logits_to_keep=completion_len + 1,
-        **extra,
-    )
+    with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            # C + 1 positions: P - 1 .. T - 1; the last predicts past the end and is dropped.
+            logits_to_keep=completion_len + 1,
+            **extra,
+        )
     if out.logits.shape[1] != completion_len + 1:
         raise ValueError(
             f"{type(model).__name__} returned logits for {out.logits.shape[1]} positions, "
@@ -121,8 +132,11 @@ def completion_logprobs(
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     logprobs, entropy = _token_stats(logits, input_ids[:, prompt_len:], valid, with_entropy)
     aux_loss = out.aux_loss if extra else None
-    load = expert_load(model, out.router_logits, attention_mask) if extra else None
-    return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss, expert_load=load)
+    # installed routers count the experts they actually chose (replayed, biased)
+    load = routed.load if routed.load is not None or not extra else expert_load(
+        model, out.router_logits, attention_mask)
+    return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss, expert_load=load,
+                         route_agreement=routed.agreement)
 
 
 def _token_stats(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,

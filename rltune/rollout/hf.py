@@ -19,6 +19,9 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rltune.data.collate import left_pad
 from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.metrics import keys
+from rltune.metrics.types import Metric
+from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
 from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
 from rltune.rollout.sampling import sample_next
 
@@ -47,6 +50,11 @@ class HFGenerator:
 
     In the local runtime the learner and the generator share one module, so
     ``load_weights`` only records the version; given tensors, it copies them in.
+
+    On an MoE model whose routers are installed (:func:`rltune.models.routing.install_routing`)
+    every rollout carries ``routes``: the experts each of its tokens went to, per MoE
+    layer, for the learner to replay; and :meth:`step_metrics` reports the experts' load
+    over the tokens it ran (``gen/moe/...``).
     """
 
     def __init__(
@@ -66,15 +74,18 @@ class HFGenerator:
         self.version = 0
         self._eos = torch.tensor(eos_ids(model, tokenizer))
         self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self._eos[0])
+        self._load: torch.Tensor | None = None
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         if tensors is not None:
             self.model.load_state_dict(dict(tensors), strict=False)
         self.version = version
 
-    def step_metrics(self) -> dict[str, float]:
-        """Nothing to report per step (the Generator protocol's hook)."""
-        return {}
+    def step_metrics(self) -> dict[str, Metric]:
+        """The expert load of the tokens routed since the last call (MoE models with
+        installed routers: ``gen/moe/load_max`` ...); nothing otherwise."""
+        load, self._load = self._load, None
+        return {} if load is None else expert_load_metrics(load, key=keys.generation_key)
 
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0
@@ -85,13 +96,17 @@ class HFGenerator:
         ids, mask = left_pad(prompt_seqs, self._pad)
         if params.n > 1:
             ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
-        tokens, logprobs, lengths, stopped = self._decode(ids, mask, params)
+        with recording(self.model, ids.shape[0]) as recorder:
+            tokens, logprobs, lengths, stopped = self._decode(ids, mask, params)
+        routes = recorder.routes() if recorder is not None else None
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         width = ids.shape[1]
         out = []
         for row in range(ids.shape[0]):
             group = row // params.n
             length = int(lengths[row])
+            sample_routes = None if routes is None else row_routes(
+                routes, row, width - len(prompt_seqs[group]), width + length)
             text = texts[row]
             if params.stop:
                 text = cut_at_stop(text, params.stop)
@@ -106,9 +121,17 @@ class HFGenerator:
                     text=text,
                     finish_reason="stop" if bool(stopped[row]) else "length",
                     policy_version=self.version,
+                    routes=sample_routes,
                 )
             )
+        if routes is not None:
+            self._count_load([r.routes for r in out])
         return out
+
+    def _count_load(self, routes: list[torch.Tensor]) -> None:
+        """Add the experts chosen for these rollouts' tokens to the step's load."""
+        counts = route_counts(torch.cat(routes), expert_count(self.model))
+        self._load = counts if self._load is None else self._load + counts
 
     @torch.inference_mode()
     def _decode(
@@ -208,6 +231,17 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def row_routes(routes: torch.Tensor, row: int, start: int, stop: int) -> torch.Tensor:
+    """Columns ``start:stop`` of row ``row`` of a generation's routes ``[R, P + steps, L, k]``
+    (a sample's prompt and completion), padded with -1 past the recorded steps: the last
+    sampled token is never fed back, so it has no route."""
+    taken = routes[row, start:stop]
+    missing = stop - start - taken.shape[0]
+    if missing:
+        taken = torch.cat([taken, taken.new_full((missing, *taken.shape[1:]), NO_ROUTE)])
+    return taken.clone()
 
 
 def prompt_ids(prompt: Prompt) -> list[int]:

@@ -4,6 +4,7 @@ module (a copy of it when rollouts run ahead of the learner)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,6 +100,7 @@ class LocalReference:
         if not self.adapters_off:
             return predict(self.model, logprobs_only, batch, **self.options)
         training = self.model.training
+        batch = dataclasses.replace(batch, routes=None)  # the reference routes by itself
         with adapters_disabled(self.model):
             out = predict(self.model.eval(), logprobs_only, batch, **self.options)
         self.model.train(training)

@@ -28,6 +28,7 @@ from rltune.learner.objectives import Objective, build_objective, value_objectiv
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.models.load import load_model, router_aux_loss_coef
 from rltune.models.lora import apply_lora
+from rltune.models.routing import install_routing
 from rltune.models.value import load_critic
 from rltune.rewards.scorer import LocalScorer, RewardFn
 from rltune.rollout.hf import HFGenerator, eos_ids
@@ -105,7 +106,12 @@ def learner_options(cfg: Config, algorithm: Algorithm, model: torch.nn.Module) -
 
 
 def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
+    """The policy as the learner and the generators hold it: an MoE model's routers
+    installed for routing replay and aux-free balancing (``model.moe``) before any
+    adapter, wrapper or checkpoint; a dense model with either option is refused here."""
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    moe = cfg.model.moe
+    install_routing(model, replay=moe.routing_replay == "rollout", aux_free_bias=moe.aux_free_bias)
     return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
 
 
