@@ -49,7 +49,8 @@ from rltune.runtime.state import apply_learner_state, learner_state, sharded_lea
 PARAM_ATOL = 1e-6
 
 
-LAYOUTS = {"tp": Layout(tp=2), "dp_shard": Layout(dp_shard=2), "pp": Layout(pp=2, pp_schedule="gpipe")}
+LAYOUTS = {"tp": Layout(tp=2), "dp_shard": Layout(dp_shard=2), "pp": Layout(pp=2, pp_schedule="gpipe"),
+           "ep": Layout(ep=2)}
 """The learner meshes of two ranks the tests write and read; ``none``: one process.
 ``fsdp2``: the FSDP2 strategy of ``runtime.placement.learner_strategy``."""
 
@@ -389,3 +390,22 @@ def test_a_tp2_ray_run_resumed_from_its_sharded_checkpoint_is_the_run_that_did_n
     assert main(["export", str(runs / "b"), str(tmp_path / "b-hf")]) == 0
     a, b = load_file(tmp_path / "a-hf" / "model.safetensors"), load_file(tmp_path / "b-hf" / "model.safetensors")
     assert same(a, b) == []
+
+
+@pytest.mark.slow  # a group of its own on the MoE model (~1-2 min here)
+def test_ep2_checkpoint_resumes_exactly_and_loads_into_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Experts split over ep=2 keep their names (``mlp.experts.gate_up_proj``), so each
+    rank writes its block of experts and one process reads them whole."""
+    moe_dir = resolve_model("builtin:tiny-moe", cache_dir=str(tmp_path_factory.mktemp("moe")))
+    moe_batch = make_batch(load_model(moe_dir))
+    directory = tmp_path_factory.mktemp("ep")
+    ranks = spawn_learner_group(2, save_then_resume, moe_dir, moe_batch, "ep", str(directory),
+                                backend="gloo", timeout_s=600)
+    for rank in ranks:
+        assert same(rank["resumed"], rank["uninterrupted"]) == []
+    chunks = chunk_counts(directory / "learner")
+    experts = [name for name in chunks if name.endswith("experts.gate_up_proj")]
+    assert experts and all(chunks[name] == 2 for name in experts)
+    one = load_then_step(moe_dir, moe_batch, "none", str(directory / "learner"), ranks[0]["meta"]["optimizer"])
+    assert same(one["weights"], ranks[0]["saved"]["weights"]) == []
+    assert same(one["optimizer"], ranks[0]["saved"]["optimizer"]) == []
