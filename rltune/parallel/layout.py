@@ -175,7 +175,7 @@ def run_world(cfg: Any) -> int:
 def model_config_of(model_path: str, *, trust_remote_code: bool = False) -> Any:
     """The Hugging Face config of ``model_path`` without its weights: ``builtin:NAME``
     from its build spec, a directory from its ``config.json``."""
-    from rltune.models.load import BUILTIN_PREFIX, ModelLoadError, _existing_dir
+    from rltune.models.load import BUILTIN_PREFIX, ModelLoadError, _existing_dir, _read_config
 
     if model_path.startswith(BUILTIN_PREFIX):
         from rltune.models.tiny import ARCH_CONFIGS, SPECIAL_TOKENS, TINY_SPECS
@@ -190,6 +190,7 @@ def model_config_of(model_path: str, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     directory = _existing_dir(model_path)
+    _read_config(directory)  # the loader's own errors for a missing or damaged config.json
     try:
         return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
@@ -202,6 +203,8 @@ def run_layout(cfg: Any) -> Layout:
     Raises :class:`LayoutError` naming every problem."""
     world = run_world(cfg)
     layout = layout_for(cfg, world)
+    if layout.tp == layout.pp == layout.ep == 1:  # nothing to check against the model's shapes
+        return check_layout(layout, world, None)
     trust = bool(getattr(cfg.model, "trust_remote_code", False))
     return check_layout(layout, world, model_config_of(cfg.model.path, trust_remote_code=trust))
 

@@ -126,3 +126,19 @@ def test_train_refuses_an_impossible_layout_in_one_line_before_loading(
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "tp=3 does not divide qwen2's num_attention_heads=4" in lines[0]
+
+
+def test_a_directory_config_is_read_from_config_json(tmp_path: Path) -> None:
+    from rltune.models.load import ModelLoadError
+    from rltune.models.tiny import ARCH_CONFIGS
+
+    ARCH_CONFIGS["qwen2"](hidden_size=64, layers=3, heads=6, kv_heads=3, vocab_size=300).save_pretrained(tmp_path)
+    config = model_config_of(str(tmp_path))
+    assert (config.num_attention_heads, config.num_hidden_layers) == (6, 3)
+    assert any("tp=4 does not divide qwen2's num_attention_heads=6" in p
+               for p in layout_problems(Layout(tp=4), 4, config))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):  # the loader's own message
+        model_config_of(str(tmp_path / "empty"))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        model_config_of(str(tmp_path / "missing"))
