@@ -460,6 +460,11 @@ def build_pipeline(model: nn.Module, mesh: Any, *, schedule: str, device: torch.
     return its :class:`Pipeline`. ``pipeline.stage`` is what training forwards go
     through, and the root to shard (FSDP2 over the stage: the schedule then drives its
     gradient reduction, once per step)."""
+    from rltune.models.routing import BIAS_BUFFER, installed_routers
+
+    if any(gate._buffers.get(BIAS_BUFFER) is not None for gate in installed_routers(model)):
+        raise ValueError("model.moe.aux_free_bias moves each router's bias by the step's expert load, which "
+                         "train.parallel.pp > 1 does not gather across stages: set it to 0, or pp: 1")
     tied = is_tied(model)
     stage = split_model(model, mesh["pp"].get_local_rank(), mesh["pp"].size())
     stage.to(device)

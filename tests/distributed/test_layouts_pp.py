@@ -320,3 +320,20 @@ def test_pp2_every_objective_equals_one_process(tiny_dir: str) -> None:
             ref["logprobs"] = learner.logprobs(batch)
         for rank in ranks:
             assert_equal_to_reference(rank[k], ref, logprob_rows=slice(None) if name == "whole" else None)
+
+
+def test_moe_balancing_that_needs_the_whole_load_is_refused() -> None:
+    """pp > 1 does not gather the expert load or the router logits across stages: the
+    aux-free bias and the load-balancing loss are refused by name, not skipped."""
+    from types import SimpleNamespace
+
+    from rltune.models.routing import install_routing
+    from rltune.parallel.pipeline import Pipeline, build_pipeline
+
+    model = load_model(resolve_model("builtin:tiny-moe"))
+    install_routing(model, aux_free_bias=0.01)
+    with pytest.raises(ValueError, match="aux_free_bias"):
+        build_pipeline(model, mesh=None, schedule="1f1b", device=torch.device("cpu"))
+    pipeline = SimpleNamespace()  # the refusal comes before anything of the pipeline is used
+    with pytest.raises(ValueError, match="model.router_aux_loss_coef: 0"):
+        Pipeline.train(pipeline, [], 1, None, None, temperature=1.0, autocast=None, aux_loss_coef=0.001)
