@@ -200,9 +200,17 @@ def model_config_of(model_path: str, *, trust_remote_code: bool = False) -> Any:
 def run_layout(cfg: Any) -> Layout:
     """The checked layout of a run config, before any model is loaded: the world of
     :func:`run_world`, :func:`layout_for`, and the model's shapes from its config alone.
-    Raises :class:`LayoutError` naming every problem."""
+    Raises :class:`LayoutError` naming every problem; also for a local run started as
+    several processes (torchrun), which the local runtime cannot make one group of."""
     world = run_world(cfg)
     layout = layout_for(cfg, world)
+    if cfg.runtime.mode != "ray" and world > 1:
+        # the local runtime trains in this one process: it would not join the group
+        raise LayoutError(
+            f"WORLD_SIZE={world}: runtime.mode=local trains the learner in one process and forms no learner "
+            f"group, so {world} processes would train {world} separate copies; run one process, or set "
+            f"runtime.mode=ray with runtime.placement.learners={world}"
+        )
     if layout.tp == layout.pp == layout.ep == 1:  # nothing to check against the model's shapes
         return check_layout(layout, world, None)
     trust = bool(getattr(cfg.model, "trust_remote_code", False))

@@ -102,7 +102,10 @@ def test_the_world_is_the_learner_count_on_ray_and_world_size_locally(monkeypatc
     assert run_layout(config("runtime.mode=ray", "runtime.placement.learners=4", "train.parallel.tp=2")).shape == (
         1, 1, 2, 1, 2)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert run_layout(config("train.parallel.dp_replicate=2")).dp_replicate == 2
+    assert layout_for(config("train.parallel.dp_replicate=2"), 2).dp_replicate == 2
+    # the local runtime forms no group: several processes would train separate copies
+    with pytest.raises(LayoutError, match=r"WORLD_SIZE=2: runtime.mode=local .* runtime.placement.learners=2"):
+        run_layout(config("train.parallel.dp_replicate=2"))
 
 
 def test_train_refuses_an_impossible_layout_in_one_line_before_loading(
