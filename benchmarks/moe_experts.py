@@ -8,11 +8,17 @@ The model is a stack of ``--layers`` sparse MoE blocks (router + experts, residu
 them) of a Qwen3-MoE or Mixtral config, ``--hidden`` wide, with random router weights (a
 zero router would send every token to the same experts). One measurement is the forward and
 backward of the stack over ``--tokens`` tokens (loss: the output dotted with a fixed random
-tensor); the figure is the median over ``--repeats`` after ``--warmup`` runs. Before timing,
-every implementation's output and gradients are checked against ``eager``'s.
+tensor); the implementations take turns, and each figure is the median over ``--repeats``
+rounds after ``--warmup`` rounds, as wall time (tokens/s) and as process CPU time. Before
+timing, every implementation's output and gradients are checked against ``eager``'s.
 
-    .venv/bin/python benchmarks/moe_experts.py                   # Qwen3-MoE, 8/16/64 experts
-    .venv/bin/python benchmarks/moe_experts.py --arch mixtral --experts 8 16
+On a machine shared with other jobs, run with ``--threads 1`` and read the CPU columns:
+with more threads than free cores, every matmul's parallel region waits for descheduled
+threads, which charges implementations by their number of calls rather than their work.
+
+    .venv/bin/python benchmarks/moe_experts.py --threads 1      # Qwen3-MoE, 8/16/64 experts
+    .venv/bin/python benchmarks/moe_experts.py --threads 1 --arch mixtral --experts 8 16
+    .venv/bin/python benchmarks/moe_experts.py --threads 1 --tokens 256 --experts 16 --batched-mm
 """
 
 from __future__ import annotations
