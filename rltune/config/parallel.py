@@ -57,11 +57,16 @@ class MoeConfig(_Section):
     chosen, not their weights."""
 
 
-def moe_problems(moe: MoeConfig, *, engine: str, env: str | None) -> list[str]:
-    """``model.moe`` options the rollout side (``rollout.engine``, ``env.name``) cannot
-    honour. A dense model with either option is refused when it loads: the config does
-    not know the architecture."""
+def moe_problems(moe: MoeConfig, *, engine: str, env: str | None, lora: bool = False) -> list[str]:
+    """``model.moe`` options the rollout side (``rollout.engine``, ``env.name``) or the
+    checkpoint (``lora``: adapters only) cannot honour. A dense model with either option
+    is refused when it loads: the config does not know the architecture."""
     problems = []
+    if moe.aux_free_bias > 0 and lora:
+        problems.append(
+            "model.moe.aux_free_bias with model.lora: a LoRA checkpoint saves the adapters only, "
+            "so the routing bias would be lost on resume; train without LoRA, or aux_free_bias: 0"
+        )
     replay = moe.routing_replay == "rollout"
     if replay and engine == "vllm":
         problems.append(

@@ -449,7 +449,7 @@ class Config(_Section):
         """Checks across sections that hold for every algorithm; those that depend on
         which algorithm it is are the registry's (``rltune.algos.config_problems``)."""
         for problem in _algo_problems(self.algo) + _reward_name_problems(self) + moe_problems(
-                self.model.moe, engine=self.rollout.engine, env=self.env.name):
+                self.model.moe, engine=self.rollout.engine, env=self.env.name, lora=self.model.lora is not None):
             raise ValueError(problem)
         if self.runtime.max_staleness > 0 and self.algo.importance_correction == "none":
             raise ValueError(

@@ -44,3 +44,21 @@ def test_router_agreement_is_logged_without_replay_too(tiny_grpo_config):
                            "algo.group_size=4", "train.threads=1")
     history = train(build_run(cfg))
     assert 0.95 <= history[0]["moe/router_agreement"] <= 1.0
+
+
+def test_a_resumed_run_keeps_the_routing_bias(tiny_grpo_config_at, tmp_path):
+    """The bias is model state: a run stopped after step 1 with a checkpoint and resumed
+    ends with the bias (and weights) of the run that did not stop, to the bit; a resume
+    that lost the bias would restart it at 0 and differ by at least one rate step."""
+    common = ("model.path=builtin:tiny-moe", "model.moe.routing_replay=rollout", "model.moe.aux_free_bias=0.01",
+              "train.steps=2", "train.prompts_per_step=4", "algo.group_size=4", "train.threads=1",
+              "checkpoint.every=1", "checkpoint.resume=auto")
+    straight = build_run(tiny_grpo_config_at(tmp_path / "a", *common))
+    train(straight)
+    cfg_b = tiny_grpo_config_at(tmp_path / "b", *common)
+    train(build_run(cfg_b), stop_after=1)
+    resumed = build_run(cfg_b)
+    train(resumed)
+    a, b = straight.roles.learner.model.state_dict(), resumed.roles.learner.model.state_dict()
+    keys = [k for k in a if k.endswith(BIAS_BUFFER)]
+    assert keys and all(torch.equal(a[k], b[k]) for k in a)

@@ -85,6 +85,7 @@ def test_a_dense_model_with_replay_or_bias_is_refused(tiny_dir: str) -> None:
     (["model.moe.routing_replay=rollout", "rollout.engine=vllm"], "vLLM's generate API"),
     (["model.moe.aux_free_bias=0.01", "rollout.engine=vllm"], "vLLM's MoE layers"),
     (["model.moe.routing_replay=rollout", "env.name=builtin:tools"], "multi-turn episode"),
+    (["model.moe.aux_free_bias=0.01", "model.lora.r=4"], "LoRA checkpoint saves the adapters only"),
 ])
 def test_config_refuses_what_the_rollout_side_cannot_record(overrides, fragment) -> None:
     with pytest.raises(ValueError, match=fragment):
