@@ -34,6 +34,10 @@ its own grouped matmul (same kernel as ours; replaced so that every MoE model rl
 on one process or split by expert, computes experts through the same function)."""
 
 
+# The public name from torch 2.10 on; the private one before.
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+
+
 class ExpertsLayoutError(ValueError):
     """Expert weights or routing tensors do not have the shapes the grouped compute needs."""
 
@@ -43,7 +47,7 @@ def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
     ``weight`` is ``[E, out, in]`` (transformers' layout); the transpose is a view, as the
     kernel reads either stride order."""
-    return torch._grouped_mm(rows.to(weight.dtype), weight.transpose(-2, -1), offs=offsets)
+    return _GROUPED_MM(rows.to(weight.dtype), weight.transpose(-2, -1), offs=offsets)
 
 
 def experts_by_group(
