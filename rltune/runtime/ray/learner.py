@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -250,14 +250,6 @@ def _endpoint() -> tuple[str, int]:
         return "127.0.0.1" if one_node else ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
-def _compact(batch: TrainBatch) -> TrainBatch:
-    """``batch`` with each tensor in storage of its own: a shard's fields are views into
-    the global batch, and pickling a view would ship the whole storage to every rank."""
-    moved = {f.name: getattr(batch, f.name).clone() for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return replace(batch, **moved)
-
-
 # ----------------------------------------------------------------------------- the group
 
 
@@ -451,7 +443,7 @@ class RayLearnerGroup:
         """Each rank's shard of ``batch`` by its data rank (tp/pp peers share one), put
         into the object store once per shard."""
         self._check_open()
-        return data_shards(batch, self.positions, self.unit, _compact)
+        return data_shards(batch, self.positions, self.unit)
 
     def _gather(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
         """The results of ``refs`` (ref ``i`` from rank ``i``), taken as they finish so that

@@ -15,10 +15,11 @@ layout (``train.parallel``, ``rltune/parallel/layout.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import ray
+import torch
 
 from rltune.data.records import TrainBatch
 from rltune.learner.distributed import shard_batch
@@ -74,12 +75,20 @@ def position_of(parallelism: Parallelism) -> Position:
     return Position(parallelism.rank, parallelism.world, is_last_stage(mesh))
 
 
-def data_shards(batch: TrainBatch, positions: list[Position], unit: int, compact: Any) -> list[ray.ObjectRef]:
-    """For each actor, a ref to its data rank's shard of ``batch`` (``compact``ed, put
+def data_shards(batch: TrainBatch, positions: list[Position], unit: int) -> list[ray.ObjectRef]:
+    """For each actor, a ref to its data rank's shard of ``batch`` (:func:`compact`, put
     into the object store once per data rank: tp and pp peers share the ref)."""
     world = positions[0].data_world
     refs = {rank: ray.put(compact(shard_batch(batch, rank, world, unit=unit))) for rank in range(world)}
     return [refs[p.data_rank] for p in positions]
+
+
+def compact(batch: TrainBatch) -> TrainBatch:
+    """``batch`` with each tensor in storage of its own: a shard's fields are views into
+    the global batch, and pickling a view would ship the whole storage to every rank."""
+    moved = {f.name: getattr(batch, f.name).clone() for f in fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **moved)
 
 
 def output_actors(positions: list[Position]) -> list[int]:
@@ -96,5 +105,5 @@ def output_actors(positions: list[Position]) -> list[int]:
     return [chosen[rank] for rank in sorted(chosen)]
 
 
-__all__ = ["MESH", "Position", "data_shards", "group_strategy", "learner_parallelism", "output_actors",
+__all__ = ["MESH", "Position", "compact", "data_shards", "group_strategy", "learner_parallelism", "output_actors",
            "position_of"]
