@@ -147,7 +147,8 @@ class MeshParallelism:
         # a tied embedding's copy on the last stage is counted once (the first stage's)
         tied = self.pipeline.tied_copy if self.pipeline is not None else None
         counted = [p.grad for p in params if p.grad is not None and p is not tied]
-        total = grad_norm(counted, pp_group=self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
+        total = grad_norm(counted, pp_group=self.mesh["pp"].get_group() if self.layout.pp > 1 else None,
+                          device=self.device)
         coef = max_norm / (float(total) + 1e-6)
         if math.isfinite(coef) and coef < 1.0:
             with torch.no_grad():
@@ -186,12 +187,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def grad_norm(grads: list[torch.Tensor], *, pp_group: Any = None) -> torch.Tensor:
+def grad_norm(grads: list[torch.Tensor], *, pp_group: Any = None, device: torch.device | None = None) -> torch.Tensor:
     """The 2-norm of all of ``grads`` together, each element counted once, whatever the
     meshes their DTensors live on: each (mesh, placements) group's norm is reduced over
     its mesh (``full_tensor``), plain tensors are whole on every rank, and the stages'
-    squares are summed over ``pp_group`` (None: one stage). Float32, on the grads'
-    device; every rank the same value."""
+    squares are summed over ``pp_group`` (None: one stage). Float32, on ``device`` (a
+    stage without gradients still takes part in the sum); every rank the same value."""
     groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
@@ -200,7 +201,7 @@ def grad_norm(grads: list[torch.Tensor], *, pp_group: Any = None) -> torch.Tenso
         norm = torch.nn.utils.get_total_norm(tensors, 2.0, foreach=True)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
