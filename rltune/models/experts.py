@@ -2,12 +2,16 @@
 
 A transformers-5 experts module holds every expert in two 3-D weights, ``gate_up_proj
 [E, 2I, H]`` and ``down_proj [E, H, I]``. Its ``eager`` forward loops over the experts in
-Python, one small matmul pair per expert: the cost grows with the expert count, and on CPU
-the per-call overhead dominates long before the arithmetic does. Here the ``N * k``
-(token, slot) pairs are sorted by expert once, so every expert's rows are one contiguous
-block, and each projection is ONE grouped matmul (``torch._grouped_mm``, offsets at the
-block ends) whatever the number of experts. The result is the same arithmetic as the loop
-(each row meets the same expert weights), so outputs and gradients agree with ``eager``.
+Python, one small matmul pair per expert, and its backward is worse: each expert's weight
+slice ``gate_up_proj[e]`` sends back a full ``[E, 2I, H]`` zero gradient with one slice
+filled, so the backward's zero-fills and additions grow with the square of the expert
+count. Here the ``N * k`` (token, slot) pairs are sorted by expert once, so every expert's
+rows are one contiguous block, and each projection is ONE grouped matmul
+(``torch.nn.functional.grouped_mm``, offsets at the block ends; its backward is grouped
+too) whatever the number of experts. Each row meets the same expert weights as in the
+loop, so outputs and gradients agree with ``eager`` to rounding. The rows go back into
+their tokens with ``index_add_``: on CUDA that accumulates with atomics (bitwise
+run-to-run equality then needs ``torch.use_deterministic_algorithms``).
 
 :func:`grouped_experts` is the pure function (expert parallelism calls it on the experts a
 rank holds); :func:`experts_by_group` is its core for rows already grouped by expert.
@@ -65,10 +69,12 @@ def experts_by_group(
     the halves of ``gate_up[e] @ row``, shape ``[S, H]``: two grouped matmuls in all.
     """
     _check_weights(gate_up, down, rows.shape[-1], where="experts_by_group")
-    if counts.shape != (gate_up.shape[0],):
+    if counts.shape != (gate_up.shape[0],) or int(counts.sum()) != rows.shape[0]:
+        # Rows past the last offset would come back as uninitialised memory: refuse.
         raise ExpertsLayoutError(
-            f"experts_by_group: counts has shape {tuple(counts.shape)}, expected one count "
-            f"per expert ({gate_up.shape[0]},)"
+            f"experts_by_group: counts (shape {tuple(counts.shape)}, sum {int(counts.sum())}) "
+            f"must hold one count per expert ({gate_up.shape[0]}) summing to the "
+            f"{rows.shape[0]} rows"
         )
     if rows.shape[0] == 0:
         # No rows (a rank whose experts drew no token): skip the kernel but keep both
@@ -96,8 +102,8 @@ def grouped_experts(
     ``down [E, H, I]`` the experts' weights; ``act`` the activation of the gate half. The
     (token, slot) pairs are sorted by expert (a stable sort, so within an expert tokens
     keep their order, as in the loop), run through :func:`experts_by_group`, weighted and
-    added into their tokens. Differentiable in
-    ``hidden``, ``top_k_weights`` and both weights.
+    added into their tokens. Differentiable in ``hidden``, ``top_k_weights`` and both
+    weights.
     """
     n, width = hidden.shape if hidden.dim() == 2 else (None, None)
     if n is None or top_k_index.dim() != 2 or top_k_index.shape[0] != n \

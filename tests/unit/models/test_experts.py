@@ -129,6 +129,9 @@ def test_bad_inputs_are_named() -> None:
                         module.down_proj, module.act_fn)
     with pytest.raises(ExpertsLayoutError, match="do not fit"):
         grouped_experts(hidden, index, weights, module.down_proj, module.down_proj, module.act_fn)
+    with pytest.raises(ExpertsLayoutError, match=r"sum 3\) must hold one count per expert \(6\) summing to the 4 rows"):
+        experts_by_group(hidden, torch.tensor([1, 0, 2, 0, 0, 0]), module.gate_up_proj,
+                         module.down_proj, module.act_fn)
     with pytest.raises(ExpertsLayoutError, match=r"top_k_index and top_k_weights \[N, k\]"):
         grouped_experts(hidden, index[:3], weights, module.gate_up_proj, module.down_proj, module.act_fn)
 
