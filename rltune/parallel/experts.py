@@ -13,9 +13,12 @@ stay whole on every rank):
 
 1. every (token, expert) assignment is sorted by expert, hence by owner rank (rank
    ``expert // (E / ep)``), and the ranks exchange how many assignments each sends to
-   each (one small ``all_to_all_single``; the counts come to the host, since the
-   exchange's split sizes are host integers);
-2. the assignments' hidden states and expert ids go to their owners (``all_to_all_single``);
+   each of the other's experts (one small ``all_to_all_single`` of ``[ep, E / ep]``
+   counts; the per-rank sums come to the host, since the exchange's split sizes are host
+   integers);
+2. the assignments' hidden states go to their owners (``all_to_all_single``); each
+   arrives sorted by expert within its sender's block, so the counts give every row's
+   expert;
 3. the owner runs its local experts over what it received (grouped compute, no loop over
    experts);
 4. the results come back by the reverse all-to-all, are weighted by the router's
@@ -143,13 +146,17 @@ class ExpertParallelExperts(nn.Module):
         flat = top_k_index.reshape(-1)  # assignment i is token i // k's slot i % k
         order = torch.argsort(flat, stable=True)  # by expert, hence by owner rank
         expert = flat[order]
-        send = torch.bincount(torch.div(expert, self.num_local_experts, rounding_mode="floor"),
-                              minlength=self.ep_size)
+        local = self.num_local_experts
+        # per destination rank, how many assignments go to each of its experts: the
+        # receiver learns its split sizes and, rows arriving sorted by expert within each
+        # sender's block, every row's expert, without an exchange of expert ids
+        send = torch.bincount(expert, minlength=self.num_experts).view(self.ep_size, local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        send_splits, recv_splits = send.tolist(), recv.tolist()  # host split sizes: one sync
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()  # host sizes: one sync
         received = all_to_all(hidden[order // k], send_splits, recv_splits, self.group)
-        theirs = _exchange(expert, send_splits, recv_splits, self.group) - self.first_expert
+        theirs = torch.repeat_interleave(torch.arange(local, device=recv.device).repeat(self.ep_size),
+                                         recv.reshape(-1))
         out = local_expert_compute(received, theirs, _local(self.gate_up_proj),
                                    _local(self.down_proj), self.act_fn)
         back = all_to_all(out, recv_splits, send_splits, self.group)  # assignments in `order`
