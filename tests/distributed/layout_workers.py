@@ -112,3 +112,19 @@ def several(model_path: str, runs: list[tuple[dict, str | None]], seed: int = 0,
     None or a key of :data:`CONTROLS`."""
     return [two_steps(model_path, layout, seed, steps, parallelism_factory=CONTROLS.get(control))
             for layout, control in runs]
+
+
+def mesh_positions(layouts: list[dict]) -> list[dict]:
+    """One rank: for each layout, what the mesh helpers say about this rank (its data
+    rank and world, the shapes of the dense and expert data-parallel meshes)."""
+    from rltune.parallel.mesh import build_mesh, data_rank, data_world, dense_dp_mesh, expert_dp_mesh
+
+    out = []
+    for layout in layouts:
+        mesh = build_mesh(Layout(**layout), "cpu")
+        dense, experts = dense_dp_mesh(mesh), expert_dp_mesh(mesh)
+        out.append({"data_rank": data_rank(mesh), "data_world": data_world(mesh),
+                    "dense": None if dense is None else list(dense.shape),
+                    "experts": None if experts is None else list(experts.shape),
+                    "tp_rank": mesh["tp"].get_local_rank()})
+    return out

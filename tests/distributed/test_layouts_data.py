@@ -152,3 +152,20 @@ def test_ray_group_at_tp2_trains_as_one_process(ray_cluster, model_dir: str, sin
 def _set_adam_eps(learner, eps: float) -> None:
     for group in learner.optimizer.param_groups:
         group["eps"] = eps
+
+
+@pytest.mark.slow
+def test_mesh_helpers_name_each_ranks_rows_and_data_meshes() -> None:
+    """Four ranks: at dp_shard=2 x tp=2 the tp peers share a data rank (ranks 0,1 -> 0;
+    2,3 -> 1); at dp_replicate=2 x ep=2 every rank has its own rows, the dense weights'
+    mesh is 2 x 2 and the experts' is 2 x 1 (ep splits them instead)."""
+    from layout_workers import mesh_positions
+
+    out = spawn_learner_group(4, mesh_positions, [{"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "ep": 2}],
+                              backend="gloo", timeout_s=300)
+    tp_layout = [rank[0] for rank in out]
+    assert [(r["data_rank"], r["tp_rank"]) for r in tp_layout] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {(r["data_world"], str(r["dense"]), str(r["experts"])) for r in tp_layout} == {(2, "[1, 2]", "[1, 2]")}
+    ep_layout = [rank[1] for rank in out]
+    assert [r["data_rank"] for r in ep_layout] == [0, 1, 2, 3]
+    assert {(r["data_world"], str(r["dense"]), str(r["experts"])) for r in ep_layout} == {(4, "[2, 2]", "[2, 1]")}
