@@ -114,8 +114,10 @@ class MeshParallelism:
             # FSDP2 divides by its mesh's size; the ep ranks' sum needs ep more
             module.set_gradient_divide_factor(float(expert_mesh.size() * self.layout.ep))
             # a factor other than the mesh size is a PREMUL_SUM reduction, which gloo lacks:
-            # sum, then divide
-            module.set_force_sum_reduction_for_comms(True)
+            # sum, then divide. Not with one shard rank (dp_shard = 1): FSDP2 then skips the
+            # reduce-scatter and divides by the factor before the replicas' all-reduce, and
+            # a forced sum would divide by it a second time after
+            module.set_force_sum_reduction_for_comms(self.layout.dp_shard > 1)
         self._experts_by_hand = list(ignored)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dense, ignored_params=ignored or None)
