@@ -305,15 +305,10 @@ class FSDP2:
                 for k, v in model.state_dict().items()}
 
 
-def make_parallelism(strategy: Any, device: torch.device | None = None) -> Parallelism:
-    """The strategy named ``strategy`` (one of :data:`STRATEGIES`), or a
-    :class:`~rltune.parallel.layout.Layout`'s :class:`~rltune.parallel.strategy.MeshParallelism`
-    (its mesh built here: every rank calls this together); ``device`` None: the group's
-    (``cuda:LOCAL_RANK`` with NCCL, else the CPU)."""
-    if not isinstance(strategy, str):
-        from rltune.parallel.strategy import MeshParallelism
-
-        return MeshParallelism(strategy, device=device)
+def make_parallelism(strategy: str, device: torch.device | None = None) -> Parallelism:
+    """The strategy named ``strategy`` (one of :data:`STRATEGIES`); ``device`` None: the
+    group's (``cuda:LOCAL_RANK`` with NCCL, else the CPU). A layout over a DeviceMesh is
+    :class:`rltune.parallel.strategy.MeshParallelism`."""
     if strategy == "none":
         return NoParallelism()
     if strategy == "ddp":

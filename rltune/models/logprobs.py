@@ -15,7 +15,7 @@ import torch
 
 from rltune.models.load import is_moe
 from rltune.models.routing import routing_pass
-from rltune.parallel.tensor import vocab_parallel_token_stats, vocab_shard
+from rltune.models.vocab_parallel import vocab_parallel_token_stats, vocab_shard
 
 
 @dataclass
@@ -143,7 +143,7 @@ def _token_stats(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tenso
                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and (no-grad) entropy, 0 where not ``valid``; logits that a
     tensor-parallel ``lm_head`` left split over the vocabulary are read shard by shard
-    (:func:`rltune.parallel.tensor.vocab_parallel_token_stats`), never gathered."""
+    (:func:`rltune.models.vocab_parallel.vocab_parallel_token_stats`), never gathered."""
     zero = torch.zeros((), dtype=torch.float32, device=valid.device)
     sharded = vocab_shard(logits)
     if sharded is None:

@@ -13,7 +13,7 @@ layout, Shoeybi et al. 2019):
 * embeddings: vocabulary-sharded (row-parallel ``nn.Embedding``: a rank looks up the ids
   it holds, one all-reduce); ``lm_head`` column-parallel whose output stays sharded over
   the vocabulary, a DTensor ``Shard(-1)``: the ``[B, T, V]`` logits are never gathered,
-  :func:`vocab_parallel_token_stats` reads log-probs and entropy off the shards. Tied
+  :func:`rltune.models.vocab_parallel.vocab_parallel_token_stats` reads log-probs and entropy off the shards. Tied
   embeddings (``lm_head.weight is embed_tokens.weight``) stay one parameter: both are
   ``[V, H]`` sharded on the vocabulary, the same ``Shard(0)``;
 * MoE blocks: the shared expert (Qwen2-MoE) is tensor-parallel like a dense MLP; the
@@ -43,7 +43,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -147,7 +146,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     row-parallel weights are scattered from the mesh's first rank). The model's forward
     then returns its logits as a DTensor sharded on the vocabulary (``Shard(-1)`` on
     ``tp_mesh``); :func:`rltune.models.logprobs.completion_logprobs` reads them with
-    :func:`vocab_parallel_token_stats`. Raises :class:`TensorParallelError` for an
+    :func:`rltune.models.vocab_parallel.vocab_parallel_token_stats`. Raises :class:`TensorParallelError` for an
     architecture without a plan, or head, KV-head, intermediate or vocabulary sizes that
     ``tp`` does not divide.
     """
@@ -264,91 +263,10 @@ def _present(model: nn.Module, name: str) -> bool:
     return True
 
 
-# ------------------------------------------------------------ vocabulary-parallel log-probs
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """``all_reduce(x, SUM)`` whose backward passes the gradient through unchanged.
-
-    Every tp rank computes the same loss from the summed value, so the gradient of its
-    own partial term is the incoming gradient itself (Megatron's "reduce from the
-    tensor-parallel region"). ``torch.distributed.nn.functional.all_reduce`` would
-    all-reduce the gradient too, counting the one loss ``tp`` times."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = x.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def vocab_shard(logits: torch.Tensor) -> tuple[torch.Tensor, dist.ProcessGroup, int] | None:
-    """``(local, group, start)`` when ``logits`` is a DTensor sharded on its last dim
-    (what a tensor-parallel ``lm_head`` returns): this rank's ``[..., V/tp]`` slice (still
-    in the autograd graph), the group that holds the others and the first vocabulary id
-    of the slice; None for ordinary logits. Any other DTensor layout is an error: the
-    log-probs need either the whole vocabulary or one even split of it."""
-    if not isinstance(logits, DTensor):
-        return None
-    vocab_dims = [i for i, p in enumerate(logits.placements)
-                  if isinstance(p, Shard) and p.dim in (-1, logits.ndim - 1)]
-    others = [p for i, p in enumerate(logits.placements) if i not in vocab_dims and not isinstance(p, Replicate)]
-    if len(vocab_dims) != 1 or others:
-        raise TensorParallelError(
-            f"logits of global shape {tuple(logits.shape)} arrived as a DTensor with placements "
-            f"{logits.placements}; the log-probs read logits sharded on the vocabulary over one mesh dim "
-            f"(Shard(-1), as apply_tensor_parallel's lm_head returns), replicated elsewhere")
-    mesh_dim = vocab_dims[0]
-    local = logits.to_local()
-    vocab, size = logits.shape[-1], logits.device_mesh.size(mesh_dim)
-    if vocab % size:
-        raise TensorParallelError(f"vocabulary of {vocab} split unevenly over {size} ranks")
-    start = logits.device_mesh.get_local_rank(mesh_dim) * (vocab // size)
-    return local, logits.device_mesh.get_group(mesh_dim), start
-
-
-def vocab_parallel_token_stats(
-    local: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, start: int,
-    *, with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(log p(target), entropy)`` over the whole vocabulary from this rank's slice
-    ``local`` ``[..., V/tp]`` of the logits (vocabulary ids ``start .. start + V/tp - 1``),
-    without gathering them; ``targets`` ``[...]`` long (global ids). Both differentiable.
-
-    ``log p(t) = z_t - m - log S`` with ``m`` the all-reduced max (no gradient: it cancels)
-    and ``S = sum_v exp(z_v - m)`` all-reduced; ``z_t`` comes from the rank that holds
-    ``t`` (the others add 0). Entropy ``log S - A / S`` with ``A = sum_v exp(z_v - m)
-    (z_v - m)`` all-reduced. Three all-reduces of ``[...]`` (four with entropy), each
-    ``1/V`` of the logits. Compute in float32: the caller upcasts."""
-    with torch.no_grad():
-        peak = local.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = local - peak.unsqueeze(-1)
-    exp = shifted.exp()
-    total = _SumOverGroup.apply(exp.sum(dim=-1), group)
-    width = local.shape[-1]
-    inside = (targets >= start) & (targets < start + width)
-    index = (targets - start).clamp(0, width - 1).unsqueeze(-1)
-    mine = torch.where(inside, shifted.gather(-1, index).squeeze(-1), shifted.new_zeros(()))
-    picked = _SumOverGroup.apply(mine, group)
-    log_total = total.log()
-    entropy = None
-    if with_entropy:
-        weighted = _SumOverGroup.apply((exp * shifted).sum(dim=-1), group)
-        entropy = log_total - weighted / total
-    return picked - log_total, entropy
-
-
 __all__ = [
     "DENSE",
     "MOE",
     "SUPPORTED",
     "TensorParallelError",
     "apply_tensor_parallel",
-    "vocab_parallel_token_stats",
-    "vocab_shard",
 ]

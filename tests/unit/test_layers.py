@@ -7,7 +7,7 @@ Layers, low to high; a package may import itself and the packages of lower layer
 (two packages of one layer are independent of each other)::
 
     metrics -> algos, config, sandbox -> data -> models -> rollout, rewards -> envs, learner
-        -> checkpoint -> runtime -> cli
+        -> parallel -> checkpoint -> runtime -> cli
 
 ``metrics`` (typed metrics, sinks, dashboard, report) is at the bottom so that every
 layer, the loss math included, can return its measurements as typed metrics; it reads
@@ -42,6 +42,7 @@ ORDER: list[tuple[str, ...]] = [
     ("models",),
     ("rollout", "rewards"),
     ("envs", "learner"),
+    ("parallel",),
     ("checkpoint",),
     ("runtime",),
     ("cli",),
@@ -59,12 +60,13 @@ ALLOWED: dict[str, set[str]] = {
     "rewards": {"rewards", "models", "data"} | _BASE,
     "envs": {"envs", "rollout", "rewards", "models", "data"} | _BASE,
     "learner": {"learner", "rollout", "rewards", "models", "data"} | _BASE,
-    "checkpoint": {"checkpoint", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
+    "parallel": {"parallel", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
+    "checkpoint": {"checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data"} | _BASE,
     "runtime": {
-        "runtime", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
+        "runtime", "checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
     "cli": {
-        "cli", "runtime", "checkpoint", "envs", "learner", "rollout", "rewards", "models", "data",
+        "cli", "runtime", "checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
 }
 """Package -> the packages of rltune it may import. ``rltune`` itself (the top-level

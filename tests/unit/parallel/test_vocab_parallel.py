@@ -1,5 +1,5 @@
 """Log-probs and entropy read off vocabulary-sharded logits
-(:func:`rltune.parallel.tensor.vocab_parallel_token_stats`) equal those of the whole
+(:func:`rltune.models.vocab_parallel.vocab_parallel_token_stats`) equal those of the whole
 vocabulary, with their gradients, in a real process group (gloo, CPU).
 
 Tolerance: each shard's ``sum exp`` is a partial sum of the whole one, added across ranks
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rltune.learner.launch import spawn_learner_group
-from rltune.parallel import tensor as tp
+from rltune.models import vocab_parallel as tp
 
 ATOL = 1e-5
 VOCAB = 260
