@@ -272,6 +272,8 @@ FOUR_RANKS = {
     "dp_replicate2_ep2": {"dp_replicate": 2, "dp_shard": 1, "ep": 2},
     # tp peers (the same rows) compute the same replicated experts; ep splits them
     "tp2_ep2": {"dp_shard": 1, "ep": 2, "tp": 2},
+    # each pipeline stage holds one MoE layer, split over its two ep ranks
+    "pp2_ep2": {"pp": 2, "dp_shard": 1, "ep": 2},
 }
 
 
@@ -281,7 +283,7 @@ def test_two_steps_on_four_ranks_equal_one_process(single: dict, layout: str) ->
     # measured: parameters within 7.5e-9 of one process in both, as at ep=2
     group = spawn_learner_group(4, two_steps, "builtin:tiny-moe", FOUR_RANKS[layout],
                                 backend="gloo", timeout_s=600)
-    data_ranks = [0, 0, 1, 1] if layout == "tp2_ep2" else [0, 1, 2, 3]
+    data_ranks = {"tp2_ep2": [0, 0, 1, 1], "pp2_ep2": [0, 1, 0, 1]}.get(layout, [0, 1, 2, 3])
     assert [run["data_rank"] for run in group] == data_ranks
     for run in group:
         assert max_abs_diff(run["params"], single["params"]) < PARAM_ATOL
