@@ -84,8 +84,14 @@ class HFGenerator:
     def step_metrics(self) -> dict[str, Metric]:
         """The expert load of the tokens routed since the last call (MoE models with
         installed routers: ``gen/moe/load_max`` ...); nothing otherwise."""
-        load, self._load = self._load, None
+        load = self.take_expert_load()
         return {} if load is None else expert_load_metrics(load, key=keys.generation_key)
+
+    def take_expert_load(self) -> torch.Tensor | None:
+        """``[L, E]`` routing counts of the tokens generated since the last call (None for
+        a dense model), and start counting afresh: a pool of generators sums them."""
+        load, self._load = self._load, None
+        return load
 
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0

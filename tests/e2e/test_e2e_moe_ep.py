@@ -93,3 +93,7 @@ def test_first_step_at_ep2_is_one_process_step(train_run) -> None:
     assert ep2["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     for key in LOAD_KEYS:
         assert ep2[key] == pytest.approx(one[key], abs=1e-6), key
+    # the generator's expert load: the same samples, counted on the generator actor on
+    # Ray and in the process locally; integer counts, so equal exactly
+    generated = [k for k, v in one.items() if k.startswith("gen/moe/") and isinstance(v, float)]
+    assert generated and all(ep2.get(k) == one[k] for k in generated), {k: (one[k], ep2.get(k)) for k in generated}

@@ -76,6 +76,12 @@ class GeneratorWorker:
     def generate(self, prompts: list[Prompt], params: SamplingParams, group_offset: int) -> list[Rollout]:
         return self.generator.generate(prompts, params, group_offset=group_offset)
 
+    def expert_load(self) -> torch.Tensor | None:
+        """The MoE routing counts of this actor's tokens since the last call (None: a
+        dense model, or an engine that does not record routes)."""
+        take = getattr(self.sampler, "take_expert_load", None)
+        return take() if take is not None else None
+
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> int:
         self.generator.load_weights(version, tensors)
         return version
@@ -291,6 +297,11 @@ class RayGenerator:
         self._channel_open = False
         self._forming = False
         self.last_sync_s = 0.0
+        from rltune.parallel.layout import expert_count, model_config_of
+
+        self.records_load = cfg.rollout.engine == "hf" and expert_count(
+            model_config_of(model_dir, trust_remote_code=cfg.model.trust_remote_code)) > 0
+        """An MoE model on the HF engine: its actors count the experts their tokens chose."""
         self.pool = ActorPool(
             "generator", GeneratorWorker, lambda i: (cfg, model_dir, config_dir, seed + i, threads),
             placement, restarts=cfg.runtime.actor_restarts, faults_file=faults_file, prepare=self._catch_up,
@@ -379,13 +390,20 @@ class RayGenerator:
         self._channel_open = True
 
     def step_metrics(self) -> dict[str, Any]:
-        """Actors replaced since the last call, and the last weight load's seconds."""
+        """Actors replaced since the last call, the last weight load's seconds, and (MoE
+        models) the expert load of every actor's generated tokens, summed (``gen/moe/...``)."""
         from rltune.metrics.types import Last, Sum
+        from rltune.models.routing import expert_load_metrics
 
-        return {
+        metrics: dict[str, Any] = {
             keys.restarts_key("generator"): Sum(float(self.pool.take_restarts())),
             keys.TIME_WEIGHT_LOAD: Last(self.last_sync_s),
         }
+        if self.records_load:
+            loads = [load for load in self.pool.call_all("expert_load") if load is not None]
+            if loads:
+                metrics.update(expert_load_metrics(sum(loads), key=keys.generation_key))
+        return metrics
 
     def rng_states(self) -> list[torch.Tensor]:
         return self.pool.call_all("rng_state")
