@@ -58,6 +58,9 @@ class LocalTrained:
     def version(self) -> int:
         return self.learner.version
 
+    writes_shards = False
+    """One process writes the one-file checkpoint format."""
+
     def step(self, batch: TrainBatch) -> dict[str, MetricLike]:
         return self.learner.step(batch)
 

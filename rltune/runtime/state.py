@@ -54,7 +54,7 @@ def _save(run: "Run") -> Path:
     roles, progress = run.roles, run.progress
     rng_tensors, rng_meta = rng_to_state(progress.streams.generators)
     shards = None
-    if getattr(roles.learner, "writes_shards", False):
+    if roles.learner.writes_shards:
         # the learner's ranks write their shards into the checkpoint's directory
         tensors, meta = {}, {}
         shards = partial(roles.learner.checkpoint_state, "")
