@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rltune.config.parallel import MoeConfig, ParallelConfig, moe_problems
+from rltune.config.parallel import MoeConfig, moe_problems
+from rltune.config.train import TrainConfig
 from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
 
 
@@ -143,6 +144,9 @@ class AlgoConfig(_Section):
     """DPO ``sigmoid``: conservative DPO; ``robust``: rDPO's assumed label-flip rate."""
     simpo_gamma: float = Field(1.0, ge=0)
     """SimPO's target reward margin."""
+    skip_zero_advantage: bool = False
+    """Selective backprop: samples whose advantage is zero at every token get no forward or
+    backward; they stay in the loss's denominator, so the update is unchanged."""
 
     @model_validator(mode="before")
     @classmethod
@@ -215,6 +219,9 @@ class RolloutConfig(_Section):
     shares the learner's module). ``vllm``: a vLLM engine holding its own copy of the
     weights, updated in place after each step (the ``vllm`` extra; GPU)."""
     vllm: VLLMConfig = VLLMConfig()
+    compile: bool = False
+    """``hf`` engine: decode over a static KV cache with the step compiled (``torch.compile``;
+    CUDA graphs on a GPU). See ``docs/performance.md`` for where it pays."""
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":
@@ -259,34 +266,6 @@ class EnvConfig(_Section):
     """Completion tokens per episode, the model's and the environment's together; an
     episode that reaches it ends with finish_reason ``length``. Each turn generates at most
     ``rollout.max_new_tokens``."""
-
-
-class TrainConfig(_Section):
-    steps: int = Field(100, ge=0)
-    prompts_per_step: int = Field(16, ge=1)
-    """Prompts drawn per step; online algorithms learn on ``prompts_per_step * group_size``
-    samples, SFT on ``prompts_per_step`` examples."""
-    lr: float = Field(1e-5, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float | None = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(8192, ge=1)
-    """Token budget (rows x padded length) of one micro-batch; gradients accumulate."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16`` runs forward and backward under bf16 autocast; master weights stay fp32."""
-    max_nonfinite_steps: int = Field(3, ge=1)
-    """Stop with an error after this many consecutive steps with a non-finite gradient."""
-    max_reward_error_steps: int = Field(3, ge=0)
-    """Stop with an error after this many consecutive steps on which the reward failed on
-    every sample (each such step learns nothing and is warned about); 0 never stops."""
-    seed: int = 0
-    threads: int | None = None
-    """torch intra-op threads; None leaves torch's default."""
-    parallel: ParallelConfig = ParallelConfig()
-    """The learner group's layout (``rltune/config/parallel.py``)."""
 
 
 class WandbConfig(_Section):
