@@ -9,68 +9,29 @@ Slow: each run starts a local Ray and three actors (~1.5 min on two cores)."""
 
 from __future__ import annotations
 
-import json
-import statistics
-
 import pytest
-import yaml
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from rltune.cli import main  # noqa: E402
+from digit_runs import digit_runner, ends  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REWARD = '''
-def digit_share(prompt, completion, **meta):
-    """Share of the completion's characters that are digits."""
-    if not completion:
-        return 0.0
-    return sum(ch.isdigit() for ch in completion) / len(completion)
-'''
 TP = ("runtime.mode=ray", "runtime.placement.learners=2", "train.parallel.tp=2")
 
 
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory: pytest.TempPathFactory):
-    """``run(name, *overrides) -> metrics``: ``rltune train`` of the module's config; each
-    step's metrics, read back from the run's metrics.jsonl."""
-    root = tmp_path_factory.mktemp("tp")
-    (root / "rewards.py").write_text(REWARD)
-    config = {
-        "name": "tp",
-        "model": {"path": "builtin:tiny"},
-        "algo": {"name": "grpo", "group_size": 8},
-        "data": {"train": "builtin:arith_small/train"},
-        "reward": [{"fn": "rewards.py:digit_share"}],
-        "rollout": {"max_new_tokens": 8},
-        "train": {"steps": 30, "prompts_per_step": 8, "lr": 1e-3, "threads": 1},
-        "log": {"dir": str(root / "runs"), "console": False},
-        "checkpoint": {"final": False},
-    }
-    path = root / "tp.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-
-    def run(name: str, *overrides: str) -> list[dict]:
-        assert main(["train", str(path), f"name={name}", *overrides]) == 0
-        lines = (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines]
-
-    return run
-
-
-def _ends(metrics: list[dict]) -> tuple[float, float]:
-    curve = [m["reward/mean"] for m in metrics]
-    return statistics.mean(curve[:5]), statistics.mean(curve[-5:])
+    return digit_runner(tmp_path_factory.mktemp("tp"), "builtin:tiny")
 
 
 def test_grpo_at_tp2_raises_the_reward_and_lr0_does_not(train_run) -> None:
     learned = train_run("tp2", *TP)
     control = train_run("tp2-lr0", *TP, "train.lr=0")
-    first, last = _ends(learned)
+    first, last = ends(learned)
     # an untrained model writes about one digit in ten characters
     assert first < 0.3 and last > first + 0.3, [m["reward/mean"] for m in learned]
-    c_first, c_last = _ends(control)
+    c_first, c_last = ends(control)
     assert abs(c_last - c_first) < 0.08, [m["reward/mean"] for m in control]
     assert last > c_last + 0.3
 
