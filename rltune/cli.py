@@ -22,6 +22,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.data.loaders import DataError
     from rltune.envs.loading import EnvLoadError
     from rltune.learner.learner import NonFiniteError
+    from rltune.learner.precision import PrecisionError
     from rltune.metrics.dashboard import DashboardError
     from rltune.metrics.report import ReportError
     from rltune.models.load import ModelLoadError
@@ -34,17 +35,19 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
-        RewardErrorLimit, LayoutError,
+        RewardErrorLimit, LayoutError, PrecisionError,
     )
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from rltune.config import config_base_dir, load_config
+    from rltune.learner.precision import check_precision
     from rltune.parallel.layout import run_layout
     from rltune.runtime.local import run_local
 
     cfg = load_config(args.config, args.overrides)
-    run_layout(cfg)  # an impossible learner layout is refused before any model is loaded
+    layout = run_layout(cfg)  # an impossible learner layout is refused before any model is loaded
+    check_precision(cfg, layout)  # and a precision this machine or layout cannot run (fp8 off a new GPU)
     _quiet_transformers()
     if cfg.runtime.mode == "ray":
         run = _train_on_ray(cfg, config_base_dir(args.config), console)

@@ -219,6 +219,10 @@ class RolloutConfig(_Section):
     shares the learner's module). ``vllm``: a vLLM engine holding its own copy of the
     weights, updated in place after each step (the ``vllm`` extra; GPU)."""
     vllm: VLLMConfig = VLLMConfig()
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """The precision the ``hf`` engine samples in (autocast around its forwards; vLLM:
+    its ``dtype``). ``auto``: the learner's ``train.precision`` (bf16 for fp8), so that
+    the sampled log-probs come from the arithmetic the learner trains with."""
     compile: bool = False
     """``hf`` engine: decode over a static KV cache with the step compiled (``torch.compile``;
     CUDA graphs on a GPU). See ``docs/performance.md`` for where it pays."""

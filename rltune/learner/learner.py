@@ -13,6 +13,7 @@ from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
 from rltune.learner.parallel import NoParallelism, Parallelism, StepPlan
+from rltune.learner.precision import convert_fp8, learner_precision
 from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
@@ -48,7 +49,10 @@ class LocalLearner:
         updates_per_step: int = 1,
     ) -> None:
         self.parallelism = parallelism if parallelism is not None else NoParallelism()
+        if cfg.precision == "fp8":  # the float8 linears replace nn.Linear before any wrapper sees them
+            convert_fp8(model)
         self.train_module = self.parallelism.wrap(model)
+        self.precision = learner_precision(cfg.precision, model, self.parallelism)
         self.model = model
         self.objective = objective
         self.cfg = cfg
@@ -122,7 +126,7 @@ class LocalLearner:
             share = len(mb) / rows
             loss = loss + self.aux_loss_coef * share * out.aux_loss.float()
             metrics["aux_loss"] = out.aux_loss.detach().float()
-        loss.backward()
+        self.precision.scale(loss).backward()  # fp16: times the loss scale
         # values stay tensors through the micro-batches and become floats once per step
         agg.add(metrics, weight=self.objective.metric_weight(mb).detach().float())
         agg.add(agreement_metrics(getattr(out, "route_agreement", None)))
@@ -175,19 +179,23 @@ class LocalLearner:
         return out
 
     def _apply_gradients(self) -> dict[str, Metric]:
-        """Clip and step, or skip the step when the gradient norm is not finite."""
+        """Clip and step, or skip the step when the gradient norm is not finite. With
+        fp16 the gradients are unscaled first (the clip sees true values); a step whose
+        scaled gradient overflowed is skipped as an overflow, not as a non-finite step."""
+        overflow = self.precision.unscale(self.optimizer)  # the same on every rank
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else math.inf
         grad_norm = float(self.parallelism.clip_grad_norm(self.params, max_norm))  # decides the step
         lr = self.schedule.get_last_lr()[0]
-        finite = math.isfinite(grad_norm)
+        finite = math.isfinite(grad_norm) and not overflow
         if finite:
             self.optimizer.step()
             self.schedule.step()
             self.nonfinite_in_a_row = 0
             self.version += 1
-        else:
+        elif not overflow:
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
+        self.precision.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
             raise NonFiniteError(
@@ -200,13 +208,11 @@ class LocalLearner:
             keys.LR: Last(lr),
             "skipped": Sum(float(not finite)),
             "nonfinite_total": Last(float(self.nonfinite_total)),
+            **self.precision.metrics(overflow),
         }
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.cfg.precision == "bf16":
-            device = next(self.model.parameters()).device.type
-            return torch.autocast(device_type=device, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.precision.autocast()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights (in a group, on every rank: FSDP2 gathers them)."""

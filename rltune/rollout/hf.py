@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rltune.data.collate import left_pad
 from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.learner.precision import autocast_for
 from rltune.metrics import keys
 from rltune.metrics.types import Metric
 from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
@@ -64,9 +65,13 @@ class HFGenerator:
         *,
         rng: torch.Generator | None = None,
         fastpath: bool = True,
+        precision: str = "fp32",
     ) -> None:
         """``fastpath``: decode with :class:`LeanDecoder` when the model supports it
-        (:func:`supports_fastpath`) and has no forward hooks; off, always the HF forward."""
+        (:func:`supports_fastpath`) and has no forward hooks; off, always the HF forward.
+        ``precision``: ``fp32``, or ``bf16``/``fp16`` to sample under that autocast (the
+        learner's precision, so that the sampled log-probs match its arithmetic)."""
+        self.precision = precision
         self.model = model
         self.fastpath = fastpath and supports_fastpath(model)
         self.tokenizer = tokenizer
@@ -102,7 +107,8 @@ class HFGenerator:
         ids, mask = left_pad(prompt_seqs, self._pad)
         if params.n > 1:
             ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
-        with recording(self.model, ids.shape[0]) as recorder:
+        device_type = next(self.model.parameters()).device.type
+        with recording(self.model, ids.shape[0]) as recorder, autocast_for(self.precision, device_type):
             tokens, logprobs, lengths, stopped = self._decode(ids, mask, params)
         routes = recorder.routes() if recorder is not None else None
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)

@@ -26,6 +26,7 @@ from rltune.envs.tool_format import turn_glue
 from rltune.learner.learner import LocalLearner
 from rltune.learner.objectives import Objective, build_objective, value_objective
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
+from rltune.learner.precision import generator_precision, vllm_dtype
 from rltune.models.load import load_model, router_aux_loss_coef
 from rltune.models.lora import apply_lora
 from rltune.models.routing import install_routing
@@ -162,12 +163,12 @@ def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
         from rltune.rollout.vllm import VLLMGenerator, engine_args
 
         sampler = VLLMGenerator(
-            model_dir, tokenizer, dtype=cfg.model.dtype, rng=rng, seed=int(rng.initial_seed()),
+            model_dir, tokenizer, dtype=vllm_dtype(cfg), rng=rng, seed=int(rng.initial_seed()),
             trust_remote_code=cfg.model.trust_remote_code, engine_args=engine_args(cfg.rollout.vllm),
         )
         stops = sampler.eos_ids
     else:
-        sampler = HFGenerator(model, tokenizer, rng=rng)
+        sampler = HFGenerator(model, tokenizer, rng=rng, precision=generator_precision(cfg))
         stops = eos_ids(model, tokenizer)
     if make_env is None:
         return sampler

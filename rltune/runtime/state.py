@@ -109,6 +109,8 @@ def _counters(learner) -> dict:
         "version": learner.version,
         "nonfinite_in_a_row": learner.nonfinite_in_a_row,
         "nonfinite_total": learner.nonfinite_total,
+        # fp16's loss scaler (JSON: the scale and its growth tracker); {} otherwise
+        "precision": learner.precision.state_dict(),
     }
 
 
@@ -222,3 +224,4 @@ def apply_learner_state(learner, tensors: dict, meta: dict, path: Path, prefix: 
     learner.version = counters["version"]
     learner.nonfinite_in_a_row = counters["nonfinite_in_a_row"]
     learner.nonfinite_total = counters["nonfinite_total"]
+    learner.precision.load_state_dict(counters.get("precision", {}))  # absent: written before fp16 existed

@@ -101,7 +101,7 @@ def fsdp2_state(learner: LocalLearner, prefix: str) -> tuple[dict, dict] | None:
     view = types.SimpleNamespace(
         model=_ModelView(model_state), optimizer=_OptimizerView(by_index, None), schedule=learner.schedule,
         version=learner.version, nonfinite_in_a_row=learner.nonfinite_in_a_row,
-        nonfinite_total=learner.nonfinite_total,
+        nonfinite_total=learner.nonfinite_total, precision=learner.precision,
     )
     return learner_state(view, prefix)
 
@@ -118,7 +118,8 @@ def apply_fsdp2_state(learner: LocalLearner, tensors: dict, meta: dict, path: Pa
     _refuse_fsdp2_lora(learner)
     model_view = _ModelView(learner.model.state_dict(), tied_from=learner.model)
     optimizer_view = _OptimizerView(None, learner.optimizer)
-    view = types.SimpleNamespace(model=model_view, optimizer=optimizer_view, schedule=learner.schedule)
+    view = types.SimpleNamespace(model=model_view, optimizer=optimizer_view, schedule=learner.schedule,
+                                 precision=learner.precision)
     apply_learner_state(view, tensors, meta, path, prefix)
     names = _param_names(learner)
     loaded = optimizer_view.loaded
