@@ -176,4 +176,41 @@ def config_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
         )
     if algorithm.sequence_ratio and a.dual_clip is not None:
         problems.append(f"algo.dual_clip applies to token ratios; {name} clips one ratio per sequence")
+    if a.skip_zero_advantage:
+        problems.extend(skip_zero_advantage_problems(algorithm, cfg))
+    return problems
+
+
+def skip_zero_advantage_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
+    """Why ``algo.skip_zero_advantage`` would change ``algorithm``'s update under ``cfg``.
+
+    A skipped row (advantage zero at every token) adds nothing to a policy-gradient loss,
+    so leaving it out is exact only when no other term of the loss reads it
+    (``rltune/learner/selective.py``): a KL-to-reference term in the loss, a loss with no
+    advantages (SFT, preference methods), and an MoE router's load-balancing loss or
+    aux-free bias (computed from every routed token) all do. PPO's value loss is its
+    critic's own learner, which runs every row, so PPO's policy may skip."""
+    name, a = algorithm.name, cfg.algo
+    if not algorithm.online:
+        return [f"algo.skip_zero_advantage skips samples by their advantage; {name} learns from a "
+                "fixed dataset without advantages (set skip_zero_advantage: false)"]
+    problems = []
+    if a.kl_coef > 0 and not a.kl_in_reward:
+        problems.append(
+            f"algo.skip_zero_advantage with a KL term in the loss (algo.kl_coef={a.kl_coef}): a sample "
+            "with zero advantage still has a KL gradient, so skipping it would change the update; "
+            "set kl_coef: 0" + (", or kl_in_reward: true" if algorithm.token_rewards else "")
+        )
+    if cfg.model.router_aux_loss_coef is not None and cfg.model.router_aux_loss_coef > 0:
+        problems.append(
+            "algo.skip_zero_advantage with model.router_aux_loss_coef > 0: the router's "
+            "load-balancing loss reads every row's routing, so skipping a row would change the "
+            "update; set router_aux_loss_coef: 0"
+        )
+    if cfg.model.moe.aux_free_bias > 0:
+        problems.append(
+            "algo.skip_zero_advantage with model.moe.aux_free_bias > 0: the routing bias moves by "
+            "the expert load of every row the learner runs, so skipping rows would change it; "
+            "set aux_free_bias: 0"
+        )
     return problems

@@ -14,6 +14,7 @@ from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
 from rltune.learner.parallel import NoParallelism, Parallelism, StepPlan
 from rltune.learner.precision import convert_fp8, learner_precision
+from rltune.learner.selective import select_rows
 from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
@@ -47,6 +48,7 @@ class LocalLearner:
         temperature: float = 1.0,
         aux_loss_coef: float = 0.0,
         updates_per_step: int = 1,
+        skip_zero_advantage: bool = False,
     ) -> None:
         self.parallelism = parallelism if parallelism is not None else NoParallelism()
         if cfg.precision == "fp8":  # the float8 linears replace nn.Linear before any wrapper sees them
@@ -62,6 +64,14 @@ class LocalLearner:
         self.schedule = build_schedule(self.optimizer, cfg, updates_per_step=updates_per_step)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.moe = hasattr(model, "config") and is_moe(model)
+        if skip_zero_advantage and self.moe and aux_loss_coef > 0:
+            raise ValueError(
+                f"algo.skip_zero_advantage with an MoE model whose router load-balancing loss is on "
+                f"(coefficient {aux_loss_coef}): that loss depends on the routing of every row, so "
+                "skipping a row would change the update; set model.router_aux_loss_coef: 0, or "
+                "algo.skip_zero_advantage: false"
+            )
+        self.skip_zero_advantage = skip_zero_advantage
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.version = 0
@@ -70,7 +80,10 @@ class LocalLearner:
         """One optimizer step on ``batch``; returns the step's metrics, typed (means
         weighted by each micro-batch's ``objective.metric_weight``)."""
         batch = self.parallelism.place(batch)
-        micro = split_by_tokens(batch, self.cfg.micro_batch_tokens, unit=self.objective.unit)
+        # selective backprop: only rows with an advantage run; the denominator stays the whole batch's
+        selection = select_rows(batch, self.objective.unit) if self.skip_zero_advantage else None
+        run = selection.rows if selection is not None else batch
+        micro = split_by_tokens(run, self.cfg.micro_batch_tokens, unit=self.objective.unit)
         plan = self.parallelism.agree(len(batch), len(micro), self.objective.denominator(batch))
         self.train_module.train()
         pipe = getattr(self.parallelism, "pipeline", None)
@@ -87,6 +100,8 @@ class LocalLearner:
                     for k, m in parts.items()}
         measured[keys.LOSS] = Mean(float(total_loss))
         measured[keys.TOKENS] = Sum(float(batch.loss_mask.sum()))
+        if selection is not None:
+            measured.update(selection.metrics())
         applied = self._apply_gradients()  # the same on every rank: not combined
         result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:

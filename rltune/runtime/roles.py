@@ -103,6 +103,7 @@ def learner_options(cfg: Config, algorithm: Algorithm, model: torch.nn.Module) -
         "temperature": cfg.rollout.temperature if algorithm.online else 1.0,
         "aux_loss_coef": router_aux_loss_coef(model) if aux_coef is None else aux_coef,
         "updates_per_step": cfg.algo.epochs * cfg.algo.minibatches,
+        "skip_zero_advantage": cfg.algo.skip_zero_advantage,
     }
 
 
