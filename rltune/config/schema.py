@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rltune.config.parallel import MoeConfig, moe_problems
-from rltune.config.train import TrainConfig
+from rltune.config.train import TrainConfig, offload_problems
 from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
 
 
@@ -433,6 +433,10 @@ class Config(_Section):
         which algorithm it is are the registry's (``rltune.algos.config_problems``)."""
         for problem in _algo_problems(self.algo) + _reward_name_problems(self) + moe_problems(
                 self.model.moe, engine=self.rollout.engine, env=self.env.name, lora=self.model.lora is not None):
+            raise ValueError(problem)
+        placement = self.runtime.placement
+        for problem in offload_problems(self.train, mode=self.runtime.mode, learners=placement.learners,
+                                        learner_strategy=placement.learner_strategy):
             raise ValueError(problem)
         if self.runtime.max_staleness > 0 and self.algo.importance_correction == "none":
             raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rltune.config.parallel import ParallelConfig
 
@@ -34,10 +34,16 @@ class TrainConfig(_Section):
     layers (GPUs with fp8 support; the ``fp8`` extra). See ``docs/performance.md``."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in the backward instead of keeping them: ``full`` every
-    transformer block, ``selective`` a subset (``docs/performance.md``)."""
+    transformer block, ``selective`` every ``checkpoint_every``-th block
+    (``rltune/learner/memory.py``, ``docs/performance.md``)."""
+    checkpoint_every: int | None = Field(None, ge=1)
+    """With ``activation_checkpointing: selective``: checkpoint the k-th, 2k-th, ... block
+    (None: k = 2); refused with the other modes."""
     offload: Literal["none", "optimizer", "params"] = "none"
-    """Keep state on the host: ``optimizer`` (AdamW's moments), ``params`` (FSDP2's
-    CPU offload of parameters, gradients and optimizer state)."""
+    """Keep state on the host: ``optimizer`` (AdamW's moments and step, for a learner
+    holding the whole model on a GPU: one process or DDP), ``params`` (FSDP2's CPU offload
+    of sharded parameters, gradients and optimizer state: ``learner_strategy: fsdp2`` or
+    ``train.parallel`` with ``dp_shard > 1``)."""
     compile: bool = False
     """``torch.compile`` the learner's forward and backward."""
     max_nonfinite_steps: int = Field(3, ge=1)
@@ -50,3 +56,42 @@ class TrainConfig(_Section):
     """torch intra-op threads; None leaves torch's default."""
     parallel: ParallelConfig = ParallelConfig()
     """The learner group's layout (``rltune/config/parallel.py``)."""
+
+    @model_validator(mode="after")
+    def _check_memory(self) -> "TrainConfig":
+        for problem in memory_problems(self):
+            raise ValueError(problem)
+        return self
+
+
+def memory_problems(train: TrainConfig) -> list[str]:
+    """``train`` keys of activation checkpointing and offload that could not take effect."""
+    problems = []
+    if train.checkpoint_every is not None and train.activation_checkpointing != "selective":
+        problems.append(f"train.checkpoint_every is for activation_checkpointing: selective; it is "
+                        f"{train.activation_checkpointing!r}: remove checkpoint_every or use selective")
+    if train.offload == "optimizer" and train.precision == "fp16":
+        problems.append("train.offload: optimizer with precision fp16: the loss scaler unscales the optimizer's "
+                        "gradients, which the host copy receives only inside its step; use bf16, or offload: none")
+    return problems
+
+
+def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_strategy: str) -> list[str]:
+    """``train.offload: params`` without a learner group that shards parameters."""
+    if train.offload != "params":
+        return []
+    layout = train.parallel
+    if layout.model_fields_set:
+        shards = layout.dp_shard == "auto" or layout.dp_shard > 1
+        others = [k for k in ("tp", "pp", "ep") if getattr(layout, k) > 1]
+        if others or not shards:
+            return [f"train.offload: params (FSDP2's CPU offload) needs a data-parallel layout: train.parallel "
+                    f"dp_shard > 1 (or auto) and tp = pp = ep = 1; this one sets {sorted(layout.model_fields_set)}"]
+        sharded = True
+    else:
+        sharded = learner_strategy == "fsdp2"
+    if mode != "ray" or learners < 2 or not sharded:
+        return ["train.offload: params is FSDP2's CPU offload of sharded parameters: it needs runtime.mode: ray "
+                "with runtime.placement.learners > 1 and learner_strategy: fsdp2 (or train.parallel dp_shard > 1); "
+                f"this run has mode {mode!r}, {learners} learner(s), strategy {learner_strategy!r}"]
+    return []

@@ -8,6 +8,7 @@ from functools import partial
 import torch
 
 from rltune.config.schema import TrainConfig
+from rltune.learner.memory import HostOffloadAdamW
 
 
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -16,6 +17,8 @@ def build_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters")
+    if cfg.offload == "optimizer":  # the moments and the step on the host (rltune/learner/memory.py)
+        return HostOffloadAdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(
         trainable,
         lr=cfg.lr,

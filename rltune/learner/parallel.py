@@ -270,11 +270,16 @@ class FSDP2:
                                f"this is torch {torch.__version__}")
         self.rank, self.world = require_group("fsdp2")
         self.device = device if device is not None else group_device()
+        self.offload = "none"
+        """``params``: the shards in host memory (``train.offload``, set before :meth:`wrap`)."""
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from rltune.learner.memory import offload_policy_kwargs
+
         model.to(self.device)
         _broadcast_weights(model)
-        shard_model(model, init_device_mesh(self.device.type, (self.world,)))
+        shard_model(model, init_device_mesh(self.device.type, (self.world,)),
+                    **offload_policy_kwargs(self.offload, self.device))
         return model
 
     def place(self, batch: TrainBatch) -> TrainBatch:
@@ -318,13 +323,14 @@ def make_parallelism(strategy: str, device: torch.device | None = None) -> Paral
     raise ValueError(f"parallelism strategy={strategy!r}; expected one of {list(STRATEGIES)}")
 
 
-def shard_model(model: torch.nn.Module, mesh: Any = None) -> None:
+def shard_model(model: torch.nn.Module, mesh: Any = None, **options: Any) -> None:
     """FSDP2 in place: each transformer block (the classes a Hugging Face model lists in
     ``_no_split_modules``) is one sharded unit, then the root holds the rest (embeddings,
-    final norm, head, tied weights together)."""
+    final norm, head, tied weights together). ``options`` go to every ``fully_shard``
+    (``offload_policy``)."""
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -70,6 +70,8 @@ class MeshParallelism:
         None with pp == 1."""
         self.sharded = False
         self._experts_by_hand: list[torch.nn.Parameter] = []
+        self.offload = "none"
+        """``params``: FSDP2's shards in host memory (``train.offload``, set before :meth:`wrap`)."""
 
     # -- wrapping ----------------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class MeshParallelism:
         """``fully_shard`` over the data mesh: the experts over their own mesh first (with
         the ``ep`` divide factor), then each block and the root over the dense mesh."""
         dense = dense_dp_mesh(self.mesh)
+        options = self._offload_options(dense)
         if dense is None:
             return
         experts = expert_modules(model) if self.layout.ep > 1 else []
@@ -120,9 +123,25 @@ class MeshParallelism:
             module.set_force_sum_reduction_for_comms(self.layout.dp_shard > 1)
         self._experts_by_hand = list(ignored)
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=dense, ignored_params=ignored or None)
-        fully_shard(model, mesh=dense, ignored_params=ignored or None)
+            fully_shard(block, mesh=dense, ignored_params=ignored or None, **options)
+        fully_shard(model, mesh=dense, ignored_params=ignored or None, **options)
         self.sharded = True
+
+    def _offload_options(self, dense: DeviceMesh | None) -> dict[str, Any]:
+        """``fully_shard``'s offload options; ``offload: params`` is taken by a layout of
+        data-parallel sharding alone (tested there), refused otherwise."""
+        if self.offload != "params":
+            return {}
+        other = {k: getattr(self.layout, k) for k in ("tp", "pp", "ep") if getattr(self.layout, k) > 1}
+        if dense is None or other:
+            why = f"with {other}" if other else "without data-parallel ranks (nothing is sharded)"
+            raise ValueError(
+                f"train.offload: params (FSDP2's CPU offload) is supported on data-parallel layouts "
+                f"(train.parallel dp_shard > 1, tp = pp = ep = 1); this layout is {self.layout} {why}"
+            )
+        from rltune.learner.memory import offload_policy_kwargs
+
+        return offload_policy_kwargs(self.offload, self.device)
 
     def place(self, batch: TrainBatch) -> TrainBatch:
         return to_device(batch, self.device)
