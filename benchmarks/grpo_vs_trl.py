@@ -1,17 +1,34 @@
-"""GRPO throughput, rltune against TRL, on the same CPU, model and settings.
+"""GRPO throughput and learning, rltune against TRL 1.16, on the same CPU, model and data.
 
-Both sides train the same untrained ~3 M-parameter Qwen2 (built locally, byte-level
-tokenizer) with GRPO: 8 completions per step (one prompt, a group of 8), up to 32 new
-tokens at temperature 1, no KL term, one optimizer step per batch, fp32, AdamW at the same
-learning rate. An untrained model rarely emits EOS, so nearly every completion is 32 tokens
-long on both sides. Each side runs in its own process; the figure is completions per
-second over the steps after a warm-up (median step time).
+Every side trains the same untrained Qwen2 (``--model 3m``: 3.0 M parameters, ``25m``:
+23.7 M; built locally, byte-level tokenizer) with GRPO on the arithmetic prompts
+(``builtin:arith/train``, written once to a jsonl file all sides read): one prompt a step,
+a group of 8 completions, up to 32 new tokens at temperature 1, reward = the share of
+digits in the completion (see ``trl_common.digit_share``), no KL term, token-mean loss,
+ratio clip 0.2, group-std advantages, gradient clip 1.0, AdamW at a constant learning
+rate, one optimizer step per batch, fp32, no gradient checkpointing.
 
-    python benchmarks/grpo_vs_trl.py            # both, then the ratio
-    python benchmarks/grpo_vs_trl.py --only rltune
+Sides, each in a fresh process, interleaved round by round (see ``trl_common``):
 
-TRL is the ``bench`` extra (``pip install 'rltune[bench]'``). TRL's gradient checkpointing
-(on by default) is switched off so that neither side recomputes activations.
+- ``trl``: TRL's GRPOTrainer with those settings and TRL's defaults otherwise, the model
+  given as its directory (as a TRL user does); a callback times each step.
+- ``rltune``: ``algo.name=grpo`` with the same settings.
+- ``trl-plain``: ``trl_plain_grpo.py``, the same TRL run written plainly, no rltune import
+  and TRL's own ``train_samples_per_second``: it shows the harness runs TRL at its speed.
+
+Speed is completions per second at the median step time after ``--warmup`` steps, the
+median over ``--repeats`` rounds. Learning per sample is the mean training reward over
+the last quarter of the steps (the same number of completions on every side).
+
+    python benchmarks/grpo_vs_trl.py                       # 3 M model, 3 rounds
+    python benchmarks/grpo_vs_trl.py --model 25m --steps 24
+    python benchmarks/grpo_vs_trl.py --only rltune         # rltune's side alone, once
+
+TRL is the ``bench`` extra (``pip install 'rltune[bench]'``). Two defaults of TRL's that
+differ from the shared settings are set explicitly on its side: ``bf16`` (TRL turns it on
+by default, also on CPU, where autocast bf16 runs the backward several times slower on a
+CPU without native bf16 matmuls) and gradient checkpointing (on by default; it only
+recomputes activations); ``lr_scheduler_type="constant"`` matches rltune's constant rate.
 """
 
 from __future__ import annotations
@@ -19,61 +36,49 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trl_common as common  # noqa: E402
+
 GROUP = 8
 NEW_TOKENS = 32
-LR = 1e-5
-MODEL = dict(arch="qwen2", hidden_size=256, layers=3, heads=4, kv_heads=2)
+SIDES = ("trl", "rltune", "trl-plain")
 
 
-def build_model(directory: Path) -> Path:
-    from rltune.models.tiny import build_tiny, count_parameters
-
-    build_tiny(directory, seed=0, **MODEL)
-    from transformers import AutoModelForCausalLM
-
-    params = count_parameters(AutoModelForCausalLM.from_pretrained(directory))
-    print(f"model: Qwen2 {params / 1e6:.2f} M parameters", file=sys.stderr)
-    return directory
-
-
-def prompts() -> list[dict[str, str]]:
-    from rltune.data.tasks import TASKS
-
-    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in TASKS["arith"]("train")]
-
-
-def run_rltune(model_dir: Path, steps: int, work: Path) -> list[float]:
+def run_rltune(args: argparse.Namespace, work: Path) -> dict:
+    """rltune's GRPO in this process; step times and rewards from its history."""
     from rltune.config import load_config
     from rltune.runtime.local import build_run
     from rltune.runtime.loop import train
 
     cfg = load_config(None, [
-        "name=bench", f"model.path={model_dir}", "algo.name=grpo", f"algo.group_size={GROUP}",
-        "data.train=builtin:arith/train", "data.chat_template=false",
-        "reward.0.fn=builtin:exact_numeric", f"rollout.max_new_tokens={NEW_TOKENS}",
-        f"train.steps={steps}", "train.prompts_per_step=1", f"train.lr={LR}",
+        "name=bench", f"model.path={args.model_dir}", "algo.name=grpo",
+        f"algo.group_size={GROUP}", f"data.train={args.prompts}", "data.chat_template=false",
+        f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
+        f"train.steps={args.steps}", "train.prompts_per_step=1", f"train.lr={args.lr}",
         f"log.dir={work}", "log.console=false", "checkpoint.final=false",
     ])
     history = train(build_run(cfg))
-    return [m["time/step"] for m in history]
+    return {"step_times": [m["time/step"] for m in history],
+            "rewards": [m["reward/mean"] for m in history]}
 
 
-def run_trl(model_dir: Path, steps: int, work: Path) -> list[float]:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+def run_trl(args: argparse.Namespace, work: Path) -> dict:
+    """TRL's GRPOTrainer in this process; a callback times the steps."""
+    from datasets import load_dataset
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rltune.data.records import Prompt
-    from rltune.rewards.builtin import exact_numeric
+    rewards: list[float] = []
 
-    def reward(prompts, completions, answer, **_):
-        return [exact_numeric(Prompt(id="", text=p), c, answer=a) for p, c, a in zip(prompts, completions, answer)]
+    def digit_share(completions, **_):
+        scores = [common.digit_share(None, c) for c in completions]
+        rewards.append(statistics.mean(scores))
+        return scores
 
     class StepTimes(TrainerCallback):
         def __init__(self) -> None:
@@ -87,59 +92,88 @@ def run_trl(model_dir: Path, steps: int, work: Path) -> list[float]:
             self.times.append(time.perf_counter() - self._start)
 
     timer = StepTimes()
-    args = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=GROUP, num_generations=GROUP,
-        max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0, learning_rate=LR,
-        max_steps=steps, use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=10**6, gradient_checkpointing=False, seed=0,
+    settings = dict(
+        output_dir=str(work / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=GROUP, num_generations=GROUP,
+        max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0, learning_rate=args.lr,
+        lr_scheduler_type="constant", max_steps=args.steps, report_to="none",
+        save_strategy="no", logging_steps=1, seed=0,
     )
+    config = GRPOConfig(**{**settings, **common.parse_sets(args.trl_set)})
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(prompts()),
-        processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[timer],
+        model=str(args.model_dir), reward_funcs=digit_share, args=config,
+        train_dataset=load_dataset("json", data_files=str(args.prompts), split="train"),
+        callbacks=[timer],
     )
-    trainer.train()
-    return timer.times
+    metrics = trainer.train().metrics
+    return {"step_times": timer.times, "rewards": rewards,
+            "trl_own_rate": metrics["train_samples_per_second"]}
 
 
-RUNNERS = {"rltune": run_rltune, "trl": run_trl}
-
-
-def child(impl: str, steps: int, model_dir: Path) -> None:
-    """Run one side and print its step times as JSON on the last line."""
+def child(args: argparse.Namespace) -> None:
+    """Run one side; print its figures as JSON on the last line."""
     with tempfile.TemporaryDirectory() as work:
-        times = RUNNERS[impl](model_dir, steps, Path(work))
-    print(json.dumps({"impl": impl, "step_times": times}))
+        out = {"rltune": run_rltune, "trl": run_trl}[args.child](args, Path(work))
+    times = out["step_times"][args.warmup:]
+    tail = out["rewards"][-max(1, len(out["rewards"]) // 4):]
+    out.update(impl=args.child, unit="completions/s", rate=GROUP / statistics.median(times),
+               quality=statistics.mean(tail))
+    print(json.dumps(out))
 
 
-def measure(impl: str, steps: int, warmup: int, model_dir: Path) -> float:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", impl, "--steps", str(steps), "--model", str(model_dir)],
-        check=True, capture_output=True, text=True,
-    )
-    times = json.loads(out.stdout.strip().splitlines()[-1])["step_times"][warmup:]
-    rate = GROUP / statistics.median(times)
-    print(f"{impl:>7}: {rate:7.1f} completions/s (median of {len(times)} steps)")
-    return rate
+def side_argv(side: str, args: argparse.Namespace) -> list[str]:
+    """The command line of one side's child process."""
+    if side == "trl-plain":
+        return [sys.executable, str(Path(__file__).with_name("trl_plain_grpo.py")),
+                str(args.model_dir), str(args.prompts), "--steps", str(args.steps),
+                "--group", str(GROUP), "--new-tokens", str(NEW_TOKENS), "--lr", str(args.lr),
+                "--output", str(args.model_dir.parent / "trl_plain")]
+    return [sys.executable, __file__, "--child", side, "--model-dir", str(args.model_dir),
+            "--prompts", str(args.prompts), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--lr", str(args.lr),
+            *[f"--trl-set={s}" for s in args.trl_set]]
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(common.SIZES), default="3m")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="AdamW learning rate on every side (large enough that a random "
+                             "model's reward moves within a short run)")
+    parser.add_argument("--threads", type=int, help="torch threads on every side "
+                        "(default: torch's default, as a user runs it)")
+    parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one GRPOConfig field on the trl side (not on "
+                             "trl-plain), e.g. bf16=true to see TRL's CPU default")
+    parser.add_argument("--only", choices=SIDES, help="run one side, --repeats times")
+    parser.add_argument("--child", choices=("rltune", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--only", choices=sorted(RUNNERS))
-    parser.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
-    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse()
     if args.child:
-        child(args.child, args.steps, args.model)
+        child(args)
         return
+    from rltune.data.tasks import TASKS
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "model")
-        rates = {impl: measure(impl, args.steps, args.warmup, model_dir)
-                 for impl in ([args.only] if args.only else ["trl", "rltune"])}
-    if len(rates) == 2:
-        print(f"rltune / trl: {rates['rltune'] / rates['trl']:.2f}x")
+        args.model_dir = common.build_model(Path(tmp) / "model", args.model)
+        rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in TASKS["arith"]("train")]
+        args.prompts = common.write_jsonl(Path(tmp) / "prompts.jsonl", rows)
+        env = common.child_env(args.threads)
+        sides = [args.only] if args.only else list(SIDES)
+        results = common.interleave(
+            sides, args.repeats, lambda s: common.run_child(side_argv(s, args), env, s))
+    common.report(results, unit="completions/s", quality="reward, last quarter", target=2.0)
 
 
 if __name__ == "__main__":

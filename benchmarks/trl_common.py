@@ -1,0 +1,160 @@
+"""What the benchmarks against TRL share: the models, the interleaved runs, the report.
+
+Rules both benchmarks keep (``grpo_vs_trl.py``, ``dpo_vs_trl.py``):
+
+- The same untrained Qwen2 (``--model 3m`` or ``25m``), built locally with
+  :func:`rltune.models.tiny.build_tiny` into one directory that every side loads; the
+  same data (written once as jsonl by the parent), lengths, learning rate, fp32, no KL.
+- Each side runs in a process of its own, started fresh; the sides are interleaved
+  (TRL, rltune, plain TRL, TRL, rltune, plain TRL, ...) in one invocation so that noise
+  from a shared machine hits every side alike, and each figure is the median over the
+  repeats.
+- Peak RSS is each child's own ``ru_maxrss`` as the kernel reports it to the parent
+  (``os.wait4``), so a side cannot under-report it.
+- "plain TRL" is a separate script written as a TRL user writes one (no rltune import,
+  the model given as a path, TRL's own ``train_samples_per_second``), so the reader can
+  check that the TRL side of the harness runs at TRL's own speed.
+
+A child prints one JSON object on its last stdout line; the parent adds ``peak_rss_mb``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+SIZES: dict[str, dict[str, Any]] = {
+    # ~3.0 M parameters (tied embeddings, vocabulary 260).
+    "3m": dict(arch="qwen2", hidden_size=256, layers=3, heads=4, kv_heads=2),
+    # ~23.7 M parameters.
+    "25m": dict(arch="qwen2", hidden_size=512, layers=6, heads=8, kv_heads=4),
+}
+"""The benchmark models, as :func:`build_tiny` arguments (the same as ``grpo_profile.py``)."""
+
+
+def digit_share(prompt: Any, completion: str, **_: Any) -> float:
+    """The share of the completion's characters that are digits.
+
+    An untrained byte-level model emits a digit about 1 time in 26 (10 of 260 ids), and
+    every group has a spread of rewards, so the reward moves within a few dozen steps
+    of a short run; exact-answer rewards stay at 0 for such a model and would measure
+    nothing. The same function scores both sides (rltune loads it by path, TRL wraps it).
+    """
+    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+
+
+def build_model(directory: Path, size: str) -> Path:
+    """Write the ``size`` model and tokenizer to ``directory`` (fp32 safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    from rltune.models.tiny import build_tiny, count_parameters
+
+    build_tiny(directory, seed=0, **SIZES[size])
+    params = count_parameters(AutoModelForCausalLM.from_pretrained(directory))
+    print(f"model: Qwen2 {params / 1e6:.2f} M parameters ({size})", flush=True)
+    return directory
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
+    """Write ``rows`` as jsonl (the one data file every side reads)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def parse_sets(sets: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` overrides of a TRL config; a value is read as JSON when it parses
+    (``true``, ``3``, ``1e-4``), as a string otherwise."""
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            sys.exit(f"--trl-set wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def child_env(threads: int | None) -> dict[str, str]:
+    """The children's environment: the parent's, plus the same thread count for every
+    side when ``--threads`` is given (torch's default otherwise, as a user runs it)."""
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def run_child(argv: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """Run one side in a fresh process; its JSON result with ``peak_rss_mb`` added.
+
+    Exits naming the side and showing the end of its error output when it fails."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        out = proc.stdout.read() if proc.stdout else ""
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            sys.exit(f"the {what} side failed (exit {proc.returncode}):\n{err.read()[-4000:]}")
+    lines = out.strip().splitlines()
+    if not lines:
+        sys.exit(f"the {what} side printed no result")
+    result = json.loads(lines[-1])
+    result["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux reports KiB
+    return result
+
+
+def interleave(sides: Sequence[str], repeats: int,
+               run: Callable[[str], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Run every side once per round, in order, for ``repeats`` rounds; results by side."""
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    for r in range(repeats):
+        for side in sides:
+            res = run(side)
+            results[side].append(res)
+            print(f"  round {r + 1}/{repeats} {side:>9}: {res['rate']:7.2f} {res['unit']}"
+                  f"  quality {res['quality']:.3f}  peak RSS {res['peak_rss_mb']:6.0f} MB",
+                  flush=True)
+    return results
+
+
+def median_of(results: list[dict[str, Any]], key: str) -> float:
+    """Median of ``key`` over a side's repeats."""
+    return statistics.median(r[key] for r in results)
+
+
+def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
+           target: float) -> None:
+    """Print each side's medians, the speed ratio, and whether rltune reaches ``target``
+    times TRL's speed and at least TRL's learning (``quality``) for the same samples."""
+    print(f"\n{'side':>9} {unit:>14} {'(runs)':>22} {quality:>26} {'peak RSS MB':>12}")
+    for side, res in results.items():
+        runs = ", ".join(f"{r['rate']:.1f}" for r in res)
+        print(f"{side:>9} {median_of(res, 'rate'):14.2f} {runs:>22} "
+              f"{median_of(res, 'quality'):26.3f} {median_of(res, 'peak_rss_mb'):12.0f}")
+    if "trl" in results and "trl-plain" in results and "trl_own_rate" in results["trl"][0]:
+        own = median_of(results["trl"], "trl_own_rate")
+        plain = median_of(results["trl-plain"], "trl_own_rate")
+        print(f"\nTRL's own train_samples_per_second: harness {own:.2f}, plain script {plain:.2f}"
+              f" (harness / plain = {own / plain:.2f})")
+    if "trl" in results and "rltune" in results:
+        ratio = median_of(results["rltune"], "rate") / median_of(results["trl"], "rate")
+        ours, theirs = median_of(results["rltune"], "quality"), median_of(results["trl"], "quality")
+        print(f"rltune / TRL speed: {ratio:.2f}x (target {target:.1f}x: "
+              f"{'met' if ratio >= target else 'NOT met'})")
+        print(f"{quality} after the same samples: rltune {ours:.3f}, TRL {theirs:.3f} "
+              f"(rltune at least equal: {'yes' if ours >= theirs else 'NO'})")
