@@ -141,7 +141,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LeanDecoder:
     """Prefill then one-token steps over ``model``'s weights; see the module docstring.
 
-    ``prefill(ids [R, P], mask [R, P]) -> logits [R, V]`` (last position), then up to
+    ``prefill(ids [U, P], mask [U, P], repeats=n) -> logits [R, V]`` (last position,
+    ``R = U n`` rows), then up to
     ``max_new_tokens - 1`` calls of ``step(tokens [R]) -> logits [R, V]``. Logits are in
     the model's dtype. Call under ``torch.inference_mode()``.
     """
@@ -164,8 +165,21 @@ class LeanDecoder:
         self.scale = attn.scaling
         self._t = 0
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompt, fill the caches; logits of the last position ``[R, V]``."""
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
+        """Run the prompts ``ids [U, P]``, fill the caches; logits of the last position
+        ``[U repeats, V]``. With ``repeats > 1`` each prompt runs once and its cache is
+        copied to ``repeats`` adjacent rows (the ``n`` samples of a prompt share it), which
+        saves ``1 - 1/repeats`` of the prefill's compute."""
+        logits = self._prefill(ids, mask)
+        if repeats > 1:
+            self.keys = [k.repeat_interleave(repeats, 0) for k in self.keys]
+            self.values = [v.repeat_interleave(repeats, 0) for v in self.values]
+            self.valid = self.valid.repeat_interleave(repeats, 0)
+            self.cos, self.sin = self.cos.repeat_interleave(repeats, 0), self.sin.repeat_interleave(repeats, 0)
+            logits = logits.repeat_interleave(repeats, 0)
+        return logits
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         rows, width = ids.shape
         steps = self.max_new_tokens - 1
         total = width + steps

@@ -105,16 +105,18 @@ class HFGenerator:
         ``group_offset + i`` and are adjacent in the output."""
         prompt_seqs = [torch.tensor(prompt_ids(p), dtype=torch.long) for p in prompts]
         ids, mask = left_pad(prompt_seqs, self._pad)
-        if params.n > 1:
-            ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
         device_type = next(self.model.parameters()).device.type
-        with recording(self.model, ids.shape[0]) as recorder, autocast_for(self.precision, device_type):
-            tokens, logprobs, lengths, stopped = self._decode(ids, mask, params)
+        with recording(self.model, ids.shape[0] * params.n) as recorder, autocast_for(self.precision, device_type):
+            # a group's prompt is run once and its cache copied to the group's rows; a
+            # route recorder counts rows from the start, so there every row runs its prompt
+            shared = params.n if recorder is None else 1
+            rows_ids, rows_mask = ids.repeat_interleave(params.n // shared, 0), mask.repeat_interleave(params.n // shared, 0)
+            tokens, logprobs, lengths, stopped = self._decode(rows_ids, rows_mask, params, repeats=shared)
         routes = recorder.routes() if recorder is not None else None
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         width = ids.shape[1]
         out = []
-        for row in range(ids.shape[0]):
+        for row in range(tokens.shape[0]):
             group = row // params.n
             length = int(lengths[row])
             sample_routes = None if routes is None else row_routes(
@@ -126,7 +128,7 @@ class HFGenerator:
                 Rollout(
                     prompt_id=prompts[group].id,
                     group=group_offset + group,
-                    prompt_ids=ids[row, width - len(prompt_seqs[group]) :],
+                    prompt_ids=ids[group, width - len(prompt_seqs[group]) :],
                     completion_ids=tokens[row, :length],
                     completion_logprobs=logprobs[row, :length],
                     loss_mask=torch.ones(length),
@@ -147,19 +149,20 @@ class HFGenerator:
 
     @torch.inference_mode()
     def _decode(
-        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, *, repeats: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sampling loop. Returns ``tokens [R, C]`` (pad after the end),
+        """The sampling loop over ``R = len(ids) * repeats`` rows (each prompt row
+        ``repeats`` times, adjacent). Returns ``tokens [R, C]`` (pad after the end),
         ``logprobs [R, C]``, ``lengths [R]`` (EOS included) and ``stopped [R]`` bool."""
         model = self.model
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
         ids, mask = ids.to(device), mask.to(device)
-        rows = ids.shape[0]
+        rows = ids.shape[0] * repeats
         lean = self.fastpath and not has_hooks(model)
         source = (LeanDecoder if lean else HFSteps)(model, max_new_tokens=params.max_new_tokens)
-        logits = source.prefill(ids, mask)
+        logits = source.prefill(ids, mask, repeats=repeats)
         eos = self._eos.to(device)
         tokens = torch.full((rows, params.max_new_tokens), self._pad, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, params.max_new_tokens), device=device)
@@ -205,8 +208,8 @@ class HFGenerator:
 
 class HFSteps:
     """Next-token logits from the HF forward with its ``DynamicCache``; the interface of
-    :class:`~rltune.rollout.fastpath.LeanDecoder`: ``prefill(ids [R, P], mask [R, P])``
-    then ``step(tokens [R])``, each returning the next position's logits ``[R, V]``.
+    :class:`~rltune.rollout.fastpath.LeanDecoder`: ``prefill(ids [U, P], mask [U, P],
+    repeats=n)`` (``R = U n`` rows) then ``step(tokens [R])``, each returning the next position's logits ``[R, V]``.
     Positions count real tokens only (``cumsum(mask) - 1``), so left padding shifts nothing."""
 
     def __init__(self, model: PreTrainedModel, *, max_new_tokens: int) -> None:
@@ -215,16 +218,21 @@ class HFSteps:
         self.cache = DynamicCache()
         self.cache_arg = {_cache_kwarg(model): self.cache}
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        self.mask = mask
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
+        """Run the prompts once; with ``repeats > 1`` each row's cache is then copied to
+        ``repeats`` adjacent rows, and so are its logits."""
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        self.next_pos = positions[:, -1:]
-        self.step_mask = torch.ones((ids.shape[0], 1), dtype=mask.dtype, device=mask.device)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions,
             use_cache=True, logits_to_keep=1, **self.cache_arg,
         )
-        return out.logits[:, -1]
+        if repeats > 1:
+            self.cache.batch_repeat_interleave(repeats)
+            mask, positions = mask.repeat_interleave(repeats, 0), positions.repeat_interleave(repeats, 0)
+        self.mask = mask
+        self.next_pos = positions[:, -1:]
+        self.step_mask = torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=mask.device)
+        return out.logits[:, -1].repeat_interleave(repeats, 0)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.step_mask], dim=1)

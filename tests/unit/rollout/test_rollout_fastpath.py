@@ -18,7 +18,7 @@ from transformers import (
 
 from rltune.data.records import Prompt, SamplingParams
 from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
-from rltune.rollout.hf import HFGenerator
+from rltune.rollout.hf import HFGenerator, HFSteps
 
 SMALL = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -155,3 +155,26 @@ def test_generator_fastpath_on_and_off_give_the_same_rollouts(
         torch.testing.assert_close(lean.completion_logprobs, hf.completion_logprobs, atol=1e-5, rtol=0)
     tokens = [r.completion_ids.tolist() for r in runs[True]]
     assert len({tuple(t) for t in tokens}) > 1  # rows differ: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("source", ["lean", "hf"])
+def test_prefill_once_per_prompt_equals_a_prefill_per_row(source: str) -> None:
+    """A group's prompt run once, its cache copied to the group's rows, gives the logits
+    of running every row's prompt. Tolerance 1e-5: the same arithmetic on fewer rows; only
+    the matmul's blocking over rows may change the float32 summation order (logits here
+    are O(1), so a few ulps, ~1e-6), as for the lean-vs-HF comparison above."""
+    model = build(CONFIGS["qwen2"]())
+    ids, mask = padded_batch(seed=6)
+    repeats = 3
+    new = torch.randint(4, 64, (3 * repeats, STEPS), generator=torch.Generator().manual_seed(7))
+    make = (lambda: LeanDecoder(model, max_new_tokens=STEPS + 1)) if source == "lean" else (
+        lambda: HFSteps(model, max_new_tokens=STEPS + 1))
+    with torch.inference_mode():
+        shared, per_row = make(), make()
+        got = [shared.prefill(ids, mask, repeats=repeats)] + [shared.step(new[:, t]) for t in range(STEPS)]
+        want = [per_row.prefill(ids.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0))]
+        want += [per_row.step(new[:, t]) for t in range(STEPS)]
+    assert got[0].shape == (3 * repeats, 64)
+    assert not torch.equal(got[-1][0], got[-1][1])  # rows of a group diverge after the prompt
+    for t, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"position {t}: {m}")
