@@ -158,3 +158,44 @@ def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
               f"{'met' if ratio >= target else 'NOT met'})")
         print(f"{quality} after the same samples: rltune {ours:.3f}, TRL {theirs:.3f} "
               f"(rltune at least equal: {'yes' if ours >= theirs else 'NO'})")
+
+
+def pair_accuracy(policy: Any, model_dir: Path, pairs: Sequence[dict[str, str]]) -> float:
+    """Held-out preference accuracy of a trained ``policy``, judged the same way for every
+    side: the share of ``pairs`` whose DPO implicit reward margin is positive,
+    ``[log p(chosen) - log q(chosen)] - [log p(rejected) - log q(rejected)] > 0``, with
+    ``q`` the untrained model in ``model_dir`` and each response scored as its tokens
+    plus EOS right after the prompt's. One judge, not each library's own metric, so a
+    difference in how the sides tokenise or count cannot favour either."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    margins = torch.zeros(len(pairs))
+    for sign, field in ((1.0, "chosen"), (-1.0, "rejected")):
+        seqs = [(tok(p["prompt"], add_special_tokens=False)["input_ids"],
+                 tok(p[field], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                for p in pairs]
+        for model, weight in ((policy, 1.0), (reference, -1.0)):
+            margins += sign * weight * _response_logps(model, seqs, tok.pad_token_id)
+    return float((margins > 0).float().mean())
+
+
+def _response_logps(model: Any, seqs: list[tuple[list[int], list[int]]], pad: int) -> Any:
+    """Sum of the log-probs of each (prompt, response) pair's response tokens."""
+    import torch
+
+    width = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.full((len(seqs), width), pad)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    scored = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (p, r) in enumerate(seqs):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[i, : len(p) + len(r)] = 1
+        scored[i, len(p): len(p) + len(r)] = True
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return (logps * scored[:, 1:]).sum(-1)
