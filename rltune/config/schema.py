@@ -234,6 +234,12 @@ class RolloutConfig(_Section):
                 "rollout.engine=vllm samples with top_k: 0 and top_p: 1.0 only: vLLM reports "
                 "log-probs of the filtered distribution, which the learner's would not match"
             )
+        if self.engine == "vllm" and self.compile:
+            raise ValueError(
+                "rollout.compile compiles rltune's own (hf engine) decode step; a vLLM engine "
+                "compiles and captures its graphs itself (rollout.vllm.enforce_eager: false): "
+                "set rollout.compile=false with rollout.engine=vllm"
+            )
         return self
 
 

@@ -27,11 +27,15 @@ adapters that replace the projection modules, registered hooks) goes through HF.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM
+
+if TYPE_CHECKING:
+    from rltune.rollout.compiled import CompiledStep
 
 _CLASSES = (Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -147,7 +151,10 @@ class LeanDecoder:
     the model's dtype. Call under ``torch.inference_mode()``.
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_new_tokens: int) -> None:
+    def __init__(self, model: PreTrainedModel, *, max_new_tokens: int,
+                 compiled: "CompiledStep | None" = None) -> None:
+        """``compiled``: take the steps with that compiled step over its static cache
+        (``rollout.compile``, :mod:`rltune.rollout.compiled`) instead of eagerly."""
         if not supports_fastpath(model):
             raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
         if max_new_tokens < 1:
@@ -163,6 +170,7 @@ class LeanDecoder:
         self.head_dim = attn.head_dim
         self.groups = attn.num_key_value_groups
         self.scale = attn.scaling
+        self.compiled = compiled
         self._t = 0
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
@@ -177,6 +185,8 @@ class LeanDecoder:
             self.valid = self.valid.repeat_interleave(repeats, 0)
             self.cos, self.sin = self.cos.repeat_interleave(repeats, 0), self.sin.repeat_interleave(repeats, 0)
             logits = logits.repeat_interleave(repeats, 0)
+        if self.compiled is not None:
+            self.compiled.begin(self)
         return logits
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -210,6 +220,10 @@ class LeanDecoder:
         if t >= self.valid.shape[1]:
             raise ValueError(f"LeanDecoder was sized for {self.max_new_tokens} new tokens, so "
                 f"{self.max_new_tokens - 1} steps after the prefill; step called past that")
+        if self.compiled is not None:
+            logits = self.compiled.step(self, tokens)
+            self._t = t + 1
+            return logits
         x = F.embedding(tokens.unsqueeze(-1), self.embed)
         h = self._forward(x, self.valid[:, None, None, : t + 1], t, t + 1)
         self._t = t + 1

@@ -23,6 +23,7 @@ from rltune.learner.precision import autocast_for
 from rltune.metrics import keys
 from rltune.metrics.types import Metric
 from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
+from rltune.rollout.compiled import CompiledStep
 from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
 from rltune.rollout.sampling import sample_next
 
@@ -66,14 +67,27 @@ class HFGenerator:
         rng: torch.Generator | None = None,
         fastpath: bool = True,
         precision: str = "fp32",
+        compile: bool = False,
     ) -> None:
         """``fastpath``: decode with :class:`LeanDecoder` when the model supports it
         (:func:`supports_fastpath`) and has no forward hooks; off, always the HF forward.
+        ``compile`` (``rollout.compile``): the lean decoder's step compiled over a static
+        cache (:mod:`rltune.rollout.compiled`); refused for a model the lean decoder does
+        not support, since the HF forward's growing cache would recompile every token.
         ``precision``: ``fp32``, or ``bf16``/``fp16`` to sample under that autocast (the
         learner's precision, so that the sampled log-probs match its arithmetic)."""
         self.precision = precision
         self.model = model
         self.fastpath = fastpath and supports_fastpath(model)
+        if compile and not self.fastpath:
+            raise ValueError(
+                f"rollout.compile compiles the lean decoder's step, which does not run "
+                f"{type(model).__name__} with this config (it runs Qwen2, Llama and Mistral "
+                "causal LMs in float32 or bfloat16 with default rope, full attention and plain "
+                "Linear projections: no MoE, no LoRA adapters); set rollout.compile=false"
+                if fastpath else "rollout.compile needs the lean decoder, which fastpath=False turns off"
+            )
+        self._compiled = CompiledStep() if compile else None
         self.tokenizer = tokenizer
         self.rng = rng if rng is not None else torch.Generator().manual_seed(0)
         self.version = 0
@@ -161,7 +175,13 @@ class HFGenerator:
         ids, mask = ids.to(device), mask.to(device)
         rows = ids.shape[0] * repeats
         lean = self.fastpath and not has_hooks(model)
-        source = (LeanDecoder if lean else HFSteps)(model, max_new_tokens=params.max_new_tokens)
+        if self._compiled is not None and not lean:
+            raise RuntimeError("rollout.compile: the model has forward hooks registered, which the "
+                               "compiled lean step would skip; remove them or set rollout.compile=false")
+        if lean:
+            source = LeanDecoder(model, max_new_tokens=params.max_new_tokens, compiled=self._compiled)
+        else:
+            source = HFSteps(model, max_new_tokens=params.max_new_tokens)
         logits = source.prefill(ids, mask, repeats=repeats)
         eos = self._eos.to(device)
         tokens = torch.full((rows, params.max_new_tokens), self._pad, dtype=torch.long, device=device)

@@ -169,7 +169,8 @@ def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
         )
         stops = sampler.eos_ids
     else:
-        sampler = HFGenerator(model, tokenizer, rng=rng, precision=generator_precision(cfg))
+        sampler = HFGenerator(model, tokenizer, rng=rng, precision=generator_precision(cfg),
+                              compile=cfg.rollout.compile)
         stops = eos_ids(model, tokenizer)
     if make_env is None:
         return sampler
