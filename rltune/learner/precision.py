@@ -230,7 +230,27 @@ def convert_fp8(model: torch.nn.Module) -> torch.nn.Module:
             return False
         return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
-    return convert_to_float8_training(model, module_filter_fn=keep)
+    convert_to_float8_training(model, module_filter_fn=keep)
+    for module in model.modules():
+        if type(module).__name__ == "Float8Linear":
+            module.forward = _outside_autocast(module.forward)
+    return model
+
+
+def _outside_autocast(forward: Any) -> Any:
+    """A float8 linear's forward run with autocast off, its input cast to the autocast
+    dtype first: autocast would otherwise try to cast torchao's float8 tensors inside the
+    matmul, which they do not support; the float8 cast and scaling are the module's own."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        if not torch.is_autocast_enabled(kind):
+            return forward(x)
+        x = x.to(torch.get_autocast_dtype(kind))
+        with torch.autocast(device_type=kind, enabled=False):
+            return forward(x)
+
+    return run
 
 
 __all__ = [
