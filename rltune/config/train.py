@@ -45,7 +45,10 @@ class TrainConfig(_Section):
     of sharded parameters, gradients and optimizer state: ``learner_strategy: fsdp2`` or
     ``train.parallel`` with ``dp_shard > 1``)."""
     compile: bool = False
-    """``torch.compile`` the learner's forward and backward."""
+    """``torch.compile`` the learner's training forward and backward, one transformer block
+    at a time (``rltune/learner/compiled.py``); with one process, DDP or FSDP2, not with
+    tp, pp or ep > 1. Off by default: on CPU it costs tens of seconds of compilation per
+    run for no faster step (``docs/performance.md``)."""
     max_nonfinite_steps: int = Field(3, ge=1)
     """Stop with an error after this many consecutive steps with a non-finite gradient."""
     max_reward_error_steps: int = Field(3, ge=0)
@@ -61,6 +64,18 @@ class TrainConfig(_Section):
     def _check_memory(self) -> "TrainConfig":
         for problem in memory_problems(self):
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _check_compile(self) -> "TrainConfig":
+        layout = self.parallel
+        if self.compile and (others := [f"{k}={getattr(layout, k)}" for k in ("tp", "pp", "ep")
+                                        if getattr(layout, k) > 1]):
+            raise ValueError(
+                f"train.compile compiles whole transformer blocks on plain tensors; with train.parallel "
+                f"{', '.join(others)} the blocks hold DTensor shards or pipeline stages, which it does not "
+                "compile: set train.compile: false, or a data-parallel layout (tp = pp = ep = 1)"
+            )
         return self
 
 

@@ -10,6 +10,7 @@ import torch
 from rltune.config.schema import TrainConfig
 from rltune.data.records import TrainBatch
 from rltune.learner.memory import prepare_memory
+from rltune.learner.compiled import compile_blocks
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective, logprobs_only
 from rltune.learner.optim import build_optimizer, build_schedule
@@ -55,6 +56,8 @@ class LocalLearner:
         if cfg.precision == "fp8":  # the float8 linears replace nn.Linear before any wrapper sees them
             convert_fp8(model)
         prepare_memory(model, cfg, self.parallelism)  # activation checkpointing, offload: before wrapping
+        if cfg.compile:  # after checkpointing (compiled with it), before DDP/FSDP2 wrap the blocks
+            compile_blocks(model)
         self.train_module = self.parallelism.wrap(model)
         self.precision = learner_precision(cfg.precision, model, self.parallelism)
         self.model = model

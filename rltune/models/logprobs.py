@@ -4,15 +4,18 @@ Layout (see :class:`rltune.data.records.TrainBatch`): ``input_ids``/``attention_
 are ``[B, T]``, the prompt left-padded to ``P = prompt_len`` columns, then the completion
 right-padded to ``C = T - P`` columns. The token in column ``P + j`` is predicted by the
 logits at column ``P + j - 1``, so exactly the ``C`` positions ``P - 1 .. T - 2`` need
-logits; the lm_head is applied to those only (``logits_to_keep``), never to the prompt.
+logits; the lm_head is applied to those only (``logits_to_keep``), never to the prompt,
+and, by default, to a chunk of them at a time (:mod:`rltune.models.chunked`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from rltune.models.chunked import chunked_head, logprob_chunk_tokens
 from rltune.models.load import is_moe
 from rltune.models.routing import routing_pass
 from rltune.models.vocab_parallel import vocab_parallel_token_stats, vocab_shard
@@ -90,6 +93,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     output_router_logits: bool = False,
     routes: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
 ) -> LogProbOutput:
     """Per-token log-probs of ``input_ids[:, prompt_len:]`` given their prefixes.
 
@@ -102,35 +106,36 @@ def completion_logprobs(
     ``position_ids`` come from ``attention_mask`` (:func:`position_ids_from_mask`), so left
     padding does not shift positions. With ``output_router_logits`` an MoE model also
     returns its router load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6,
-    over the attended tokens of the whole sequence) as ``aux_loss``; a dense model returns
-    None there.
+    over the attended tokens of the whole sequence) as ``aux_loss``; a dense model None.
 
     ``routes`` ``[B, T, L, k]``: the experts the generator routed each token to; a model
     installed with replay (:func:`rltune.models.routing.install_routing`) routes through
     them, and the output's ``route_agreement`` counts how often its own router agrees.
+
+    ``chunk_tokens``: the head runs on that many completion tokens at a time
+    (:mod:`rltune.models.chunked`), so the ``[B, C, V]`` float32 logits are never whole,
+    in the forward or for the backward; 0 reads the full logits; None: the model's
+    ``train.logprob_chunk_tokens`` (:func:`~rltune.models.chunked.set_logprob_chunk_tokens`).
     """
     _check_inputs(input_ids, attention_mask, prompt_len, temperature)
-    completion_len = input_ids.shape[1] - prompt_len
     extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
-    with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed:
+    valid = attention_mask[:, prompt_len:].bool()  # [B, C]
+    targets = input_ids[:, prompt_len:]
+    head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
+    with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed, \
+            head as stand_in:
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
             # C + 1 positions: P - 1 .. T - 1; the last predicts past the end and is dropped.
-            logits_to_keep=completion_len + 1,
+            logits_to_keep=targets.shape[1] + 1,
             **extra,
         )
-    if out.logits.shape[1] != completion_len + 1:
-        raise ValueError(
-            f"{type(model).__name__} returned logits for {out.logits.shape[1]} positions, "
-            f"not the {completion_len + 1} asked for with `logits_to_keep`; it does not "
-            f"support that argument, which rltune needs to skip the prompt's logits"
-        )
-    logits = out.logits[:, :-1].float() / temperature  # [B, C, V]
-    valid = attention_mask[:, prompt_len:].bool()  # [B, C]
-    logprobs, entropy = _token_stats(logits, input_ids[:, prompt_len:], valid, with_entropy)
+    _check_width(model, out.logits.shape[1] if stand_in is None else stand_in.width, targets.shape[1] + 1)
+    logprobs, entropy = stand_in.result if stand_in is not None else _token_stats(
+        out.logits[:, :-1].float() / temperature, targets, valid, with_entropy)  # [B, C, V] logits
     aux_loss = out.aux_loss if extra else None
     # installed routers count the experts they actually chose (replayed, biased)
     load = routed.load if routed.load is not None or not extra else expert_load(
@@ -169,6 +174,26 @@ def expert_load(model: torch.nn.Module, router_logits: tuple[torch.Tensor, ...],
         chosen = logits[attended.to(logits.device)].topk(k, dim=-1).indices.reshape(-1)
         rows.append(torch.bincount(chosen, minlength=logits.shape[-1]))
     return torch.stack(rows).float()
+
+
+def _head(model: torch.nn.Module, targets: torch.Tensor, valid: torch.Tensor, temperature: float,
+          with_entropy: bool, chunk_tokens: int | None) -> contextlib.AbstractContextManager:
+    """The chunked stand-in for the model's head during its forward, or nothing (full logits)."""
+    chunk = logprob_chunk_tokens(model) if chunk_tokens is None else chunk_tokens
+    if chunk <= 0:
+        return contextlib.nullcontext()
+    return chunked_head(model, targets, valid, temperature=temperature, with_entropy=with_entropy,
+                        chunk_tokens=chunk)
+
+
+def _check_width(model: torch.nn.Module, width: int | None, wanted: int) -> None:
+    """The model must honour ``logits_to_keep`` (the head sees ``wanted`` positions)."""
+    if width != wanted:
+        raise ValueError(
+            f"{type(model).__name__} returned logits for {width} positions, "
+            f"not the {wanted} asked for with `logits_to_keep`; it does not "
+            f"support that argument, which rltune needs to skip the prompt's logits"
+        )
 
 
 def _check_inputs(

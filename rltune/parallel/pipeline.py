@@ -51,7 +51,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from rltune.data.records import TrainBatch
 from rltune.learner.objectives import Objective, logprob_forward
 from rltune.metrics.types import Aggregator, Metric
-from rltune.models.logprobs import LogProbOutput, _token_stats, position_ids_from_mask
+from rltune.models.chunked import chunked_stats
+from rltune.models.logprobs import LogProbOutput, position_ids_from_mask
 
 try:
     from torch.distributed.tensor import DTensor
@@ -125,14 +126,14 @@ class StageModule(nn.Module):
     def config(self) -> Any:
         return self.body.config  # a critic has no config of its own, its body has
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self.autocast():
             hidden = self._layers(x, attention_mask)
             if not self.is_last:  # tensor parallel without sequence parallel: replicated
                 return (hidden.to_local() if isinstance(hidden, DTensor) else hidden).to(self.wire_dtype)
             if self.head is None:
                 raise RuntimeError("the last pipeline stage ran without a head (set by Pipeline.train/predict)")
-            return self.head(hidden, attention_mask)
+            return self.head(hidden, attention_mask, input_ids)
 
     def _layers(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """This stage's decoder layers as the body's forward runs them (same masks,
@@ -206,18 +207,24 @@ def head_kind(forward: Callable[..., Any]) -> tuple[str, bool]:
                      f"this objective's forward is {getattr(func, '__qualname__', func)!r}")
 
 
-def _stage_head(model: nn.Module, kind: str, prompt_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The last stage's ``(hidden, attention_mask) -> float32 output`` for ``kind``: the
-    LM head's logits at the completion positions ``P-1 .. T-2`` (as ``logits_to_keep``
-    does), the critic's values at the same positions, or the score at each row's last
-    attended token."""
+def _stage_head(model: nn.Module, kind: str, prompt_len: int, temperature: float, with_entropy: bool
+                ) -> Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]:
+    """The last stage's ``(hidden, attention_mask, input_ids) -> float32 output`` for
+    ``kind``: ``[B, C, 2]`` log-probs and entropy at the completion positions ``P-1 .. T-2``
+    (the LM head in chunks, :func:`rltune.models.chunked.chunked_stats`: the ``[B, C, V]``
+    logits never leave the stage), the critic's values at the same positions, or the score
+    at each row's last attended token."""
     if kind == "logprobs":
-        return lambda h, mask: model.lm_head(h[:, prompt_len - 1 : -1]).float()
+        def stats(h: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            logp, entropy = chunked_stats(model, h[:, prompt_len - 1 : -1], ids[:, prompt_len:],
+                                          mask[:, prompt_len:].bool(), temperature=temperature, with_entropy=with_entropy)
+            return torch.stack([logp, entropy if entropy is not None else torch.zeros_like(logp)], dim=-1)
+        return stats
     if kind == "values":
-        return lambda h, mask: model.head(h[:, prompt_len - 1 : -1].float()).squeeze(-1)
+        return lambda h, mask, ids: model.head(h[:, prompt_len - 1 : -1].float()).squeeze(-1)
     from rltune.models.reward_model import SCORE_HEAD, last_attended_index
 
-    def score(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def score(h: torch.Tensor, mask: torch.Tensor, ids: Any) -> torch.Tensor:
         rows = torch.arange(len(h), device=h.device)
         return getattr(model, SCORE_HEAD)(h[rows, last_attended_index(mask)]).squeeze(-1).float()
 
@@ -238,10 +245,8 @@ def stage_output(kind: str, out: torch.Tensor, mb: TrainBatch, *, temperature: f
     if kind == "values":
         values = out[:rows, :width]
         return ValueOutput(values=torch.where(valid, values, values.new_zeros(())))
-    # logits a tensor-parallel head left split over the vocabulary are read shard by shard
-    logprobs, entropy = _token_stats(out[:rows, :width] / temperature, mb.input_ids[:, mb.prompt_len :],
-                                     valid, with_entropy)
-    return LogProbOutput(logprobs=logprobs, entropy=entropy)
+    stats = out[:rows, :width]  # the stage's [B, C, 2] log-probs and entropy, at ``temperature``
+    return LogProbOutput(logprobs=stats[..., 0], entropy=stats[..., 1].detach() if with_entropy else None)
 
 
 # ----------------------------------------------------------------------------- equal micro-batches
@@ -338,7 +343,7 @@ class Pipeline:
             losses.append(loss.detach().float())
             return loss
 
-        self._run(equalise(micro, self._count(forwards)), kind, autocast, loss_fn=loss_fn)
+        self._run(equalise(micro, self._count(forwards)), (kind, temperature, with_entropy), autocast, loss_fn=loss_fn)
         self.sync_tied()
         total = float(torch.stack(losses).sum()) if self.stage.is_last else None
         return self._share(total, agg.result() if self.stage.is_last else None)
@@ -353,7 +358,7 @@ class Pipeline:
         rows = sum(len(c) for c in chunks)
         result = torch.empty(rows, chunks[0].completion_len, dtype=torch.float32, device=self.device)
         count = self._count(forwards)
-        out = self._run(equalise(chunks, count), kind, autocast, loss_fn=None)
+        out = self._run(equalise(chunks, count), (kind, temperature, with_entropy), autocast, loss_fn=None)
         if self.stage.is_last:
             size = len(out) // count
             parts = [getattr(stage_output(kind, out[k * size : (k + 1) * size], c, temperature=temperature,
@@ -368,19 +373,20 @@ class Pipeline:
         one per stage (the extra ones are padding, with zero loss)."""
         return max(forwards, self.stage.stages) if self.schedule == "1f1b" else forwards
 
-    def _run(self, equal: EqualBatches, kind: str, autocast: Callable[[], Any], *,
+    def _run(self, equal: EqualBatches, head: tuple[str, float, bool], autocast: Callable[[], Any], *,
              loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor | None:
         """One schedule step over ``equal``: with ``loss_fn`` forward and backward, else
         forward only (returns the last stage's outputs, stacked)."""
         stage = self.stage
         stage.autocast = autocast
-        stage.head = _stage_head(stage.model, kind, equal.prompt_len) if stage.is_last else None
+        kind = head[0]  # (kind, temperature, with_entropy)
+        stage.head = _stage_head(stage.model, kind, equal.prompt_len, *head[1:]) if stage.is_last else None
         runner = PipelineStage(stage, stage.index, stage.stages, self.device, group=self.group,
                                input_args=self._input_meta(equal, loss_fn is not None),
                                output_args=self._output_meta(equal, kind, loss_fn is not None))
         schedule = SCHEDULES[self.schedule](runner, equal.count, loss_fn=loss_fn, scale_grads=False)
         args = (equal.input_ids,) if stage.is_first else ()
-        kwargs = {"attention_mask": equal.attention_mask}
+        kwargs = {"attention_mask": equal.attention_mask, "input_ids": equal.input_ids}
         try:
             if loss_fn is None:
                 return schedule.eval(*args, **kwargs)
@@ -407,7 +413,7 @@ class Pipeline:
         if not self.stage.is_last:
             return self._hidden_meta(equal, grad)
         width = equal.width - equal.prompt_len
-        shape = {"logprobs": (equal.rows, width, self.stage.config.vocab_size),
+        shape = {"logprobs": (equal.rows, width, 2),
                  "values": (equal.rows, width), "scores": (equal.rows,)}[kind]
         return torch.empty(shape, dtype=torch.float32, device="meta")
 

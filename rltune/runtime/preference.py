@@ -28,6 +28,7 @@ from rltune.learner.preference import (
     load_or_compute_reference,
     preference_method,
 )
+from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import load_model
 from rltune.models.reward_model import load_reward_model
 
@@ -129,7 +130,9 @@ def load_preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
     common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     if preference_method(cfg.algo.name).scores:
         return load_reward_model(model_dir, seed=cfg.train.seed, **common)
-    return load_model(model_dir, **common)
+    model = load_model(model_dir, **common)
+    set_logprob_chunk_tokens(model, cfg.train.logprob_chunk_tokens)  # the policy's and the reference's passes
+    return model
 
 
 def skip_warnings(*sets: PromptSet | None) -> list[str]:

@@ -27,6 +27,7 @@ from rltune.learner.learner import LocalLearner
 from rltune.learner.objectives import Objective, build_objective, value_objective
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
+from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import load_model, router_aux_loss_coef
 from rltune.models.lora import apply_lora
 from rltune.models.routing import install_routing
@@ -112,6 +113,7 @@ def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
     installed for routing replay and aux-free balancing (``model.moe``) before any
     adapter, wrapper or checkpoint; a dense model with either option is refused here."""
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    set_logprob_chunk_tokens(model, cfg.train.logprob_chunk_tokens)
     moe = cfg.model.moe
     install_routing(model, replay=moe.routing_replay == "rollout", aux_free_bias=moe.aux_free_bias)
     return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
@@ -136,6 +138,7 @@ def learner_objective(cfg: Config, algorithm: Algorithm) -> Objective:
 def load_reference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
     """A second, frozen copy of the starting policy (``model_dir``) for the KL term."""
     reference = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    set_logprob_chunk_tokens(reference, cfg.train.logprob_chunk_tokens)
     return reference.eval().requires_grad_(False)
 
 

@@ -27,6 +27,7 @@ from learner_group_workers import BUDGET, algo_config, make_batch  # noqa: E402
 from rltune.learner.distributed import shard_batch  # noqa: E402
 from rltune.learner.launch import spawn_learner_group  # noqa: E402
 from rltune.learner.parallel import NoParallelism  # noqa: E402
+from rltune.models.chunked import set_logprob_chunk_tokens  # noqa: E402
 from rltune.models.load import load_model, resolve_model  # noqa: E402
 from rltune.parallel.layout import Layout  # noqa: E402
 from rltune.parallel.strategy import MeshParallelism  # noqa: E402
@@ -186,8 +187,9 @@ def chain(stages: list, mb, other, kind: str):
     hidden = ids
     for stage in stages[:-1]:
         hidden = stage(hidden, attention_mask=mask)
-    stages[-1].head = _stage_head(stages[-1].model, kind, equal.prompt_len)
-    return stage_output(kind, stages[-1](hidden, attention_mask=mask), mb, temperature=0.7, with_entropy=True)
+    stages[-1].head = _stage_head(stages[-1].model, kind, equal.prompt_len, 0.7, True)
+    return stage_output(kind, stages[-1](hidden, attention_mask=mask, input_ids=ids), mb, temperature=0.7,
+                        with_entropy=True)
 
 
 def stage_grads(stages: list) -> dict[str, torch.Tensor]:
@@ -201,13 +203,15 @@ def stage_grads(stages: list) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize(("model", "pp"), [("builtin:tiny", 2), ("builtin:tiny", 3), ("builtin:tiny-moe", 2)])
-def test_stages_in_one_process_equal_the_model(model: str, pp: int) -> None:
+@pytest.mark.parametrize(("model", "pp", "chunk"), [("builtin:tiny", 2, 1024), ("builtin:tiny", 3, 0),
+                                                   ("builtin:tiny", 2, 5), ("builtin:tiny-moe", 2, 1024)])
+def test_stages_in_one_process_equal_the_model(model: str, pp: int, chunk: int) -> None:
     """The stages chained by hand (no schedule) give the model's log-probs, entropy,
     GRPO loss and every gradient (the tied matrix's: the two copies' sum), for a padded
-    micro-batch, dense and MoE. Same float32 ops on a padded shape: log-probs at 1e-5,
-    gradients at rtol 1e-4 (sums over more masked keys and rows reorder float32
-    additions)."""
+    micro-batch, dense and MoE; the last stage's head in one chunk, or in chunks of 5
+    tokens (``chunk``: its ``train.logprob_chunk_tokens``; 0 also one chunk). Same float32
+    ops on a padded shape: log-probs at 1e-5, gradients at rtol 1e-4 (sums over more
+    masked keys and rows reorder float32 additions)."""
     from rltune.algos import ALGORITHMS
     from rltune.learner.microbatch import split_by_tokens
     from rltune.learner.objectives import build_objective, logprob_forward
@@ -223,6 +227,7 @@ def test_stages_in_one_process_equal_the_model(model: str, pp: int) -> None:
     want = logprob_forward(full, small, temperature=0.7, router_logits=False)
     objective.loss(want, small, denominator)[0].backward()
     stages = [split_model(load_model(tiny_dir), i, pp) for i in range(pp)]
+    set_logprob_chunk_tokens(stages[-1].model, chunk)
     got = chain(stages, small, big, "logprobs")
     objective.loss(got, small, denominator)[0].backward()
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)

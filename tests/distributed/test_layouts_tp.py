@@ -3,7 +3,9 @@
 1. Forward and backward: every supported architecture family (a tiny random Qwen2 with
    tied embeddings; slow: Qwen2-MoE with a shared expert, Llama, Mistral, Qwen3 with its
    per-head norms, Mixtral, Qwen3-MoE), split over tp=2 with and without sequence
-   parallelism, gives the log-probs, entropy and parameter gradients of the unsplit model.
+   parallelism, gives the log-probs, entropy and parameter gradients of the unsplit model
+   (its full logits): from the full vocabulary-sharded logits (Qwen2) and in chunks of 3
+   tokens, each chunk's logits sharded over the vocabulary (``rltune.models.chunked``).
 2. Training: tp=2 (and dp_shard=2 x tp=2, slow) trains like one process on the whole
    batch over two optimizer steps (loss, grad norm, parameters), through the shared
    layout harness ``layout_workers``.
@@ -80,10 +82,11 @@ def toy_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids, mask, 5
 
 
-def forward_backward(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Log-probs, entropy and the gradients of a weighted sum of the log-probs."""
+def forward_backward(model: torch.nn.Module, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Log-probs, entropy and the gradients of a weighted sum of the log-probs, the head
+    in chunks of ``chunk`` completion tokens (0: the full logits)."""
     ids, mask, prompt_len = toy_batch()
-    out = completion_logprobs(model, ids, mask, prompt_len, with_entropy=True, temperature=0.9)
+    out = completion_logprobs(model, ids, mask, prompt_len, with_entropy=True, temperature=0.9, chunk_tokens=chunk)
     weights = torch.linspace(-1.0, 2.0, out.logprobs.numel()).reshape(out.logprobs.shape)
     (out.logprobs * weights).sum().backward()
     grads = {}
@@ -93,17 +96,18 @@ def forward_backward(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
     return out.logprobs.detach(), out.entropy, grads
 
 
-def tp_forward_backward(cases: list[tuple[str, bool]]) -> dict:
-    """In each rank: for each ``(model_type, sequence_parallel)``, the model split over
-    all ranks and its forward-backward (one process group for all cases: starting one
+def tp_forward_backward(cases: list[tuple[str, bool, int]]) -> dict:
+    """In each rank: for each ``(model_type, sequence_parallel, chunk)``, the model split
+    over all ranks and its forward-backward (one process group for all cases: starting one
     costs more than the cases)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     results = {}
-    for model_type, sequence_parallel in cases:
+    for model_type, sequence_parallel, chunk in cases:
         model = build(model_type)
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
-        logprobs, entropy, grads = forward_backward(model)
-        results[f"{model_type}-{sequence_parallel}"] = {"logprobs": logprobs, "entropy": entropy, "grads": grads}
+        logprobs, entropy, grads = forward_backward(model, chunk)
+        results[f"{model_type}-{sequence_parallel}-{chunk}"] = {"logprobs": logprobs, "entropy": entropy,
+                                                                "grads": grads}
     return results
 
 
@@ -118,19 +122,20 @@ def check_same(got: dict, want: tuple, label: str) -> None:
                                    msg=f"{label}: gradient of {name}")
 
 
-def check_families(families: list[str]) -> None:
-    cases = [(family, sp) for family in families for sp in (False, True)]
+def check_families(families: list[str], chunks: tuple[int, ...] = (3,)) -> None:
+    cases = [(family, sp, chunk) for family in families for sp in (False, True) for chunk in chunks]
     results = spawn_learner_group(2, tp_forward_backward, cases, backend="gloo")
     for family in families:
         want = forward_backward(build(family))
-        for sp in (False, True):
+        for _, sp, chunk in [c for c in cases if c[0] == family]:
             for rank, got in enumerate(results):
-                check_same(got[f"{family}-{sp}"], want, f"{family} sequence_parallel={sp} rank {rank}")
+                check_same(got[f"{family}-{sp}-{chunk}"], want,
+                           f"{family} sequence_parallel={sp} chunk={chunk} rank {rank}")
 
 
 def test_tied_qwen2_matches_unsplit() -> None:
-    """builtin:tiny's family, with tied embeddings."""
-    check_families(["qwen2"])
+    """builtin:tiny's family, with tied embeddings; the full logits and chunks of 3."""
+    check_families(["qwen2"], chunks=(0, 3))
 
 
 @pytest.mark.slow
