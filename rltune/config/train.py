@@ -28,6 +28,11 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=1)
     """Token budget (rows x padded length) of one micro-batch; gradients accumulate."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Completion tokens whose logits exist at once when computing log-probs and entropy
+    (learner, reference, preference reference pass): the LM head runs on chunks of this
+    many tokens, recomputed chunk by chunk in the backward, so the float32 ``[B, C, V]``
+    logits are never whole (``rltune/models/chunked.py``). 0 computes the full logits."""
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     """``bf16``/``fp16``: forward and backward under autocast, master weights fp32;
     ``fp16`` with dynamic loss scaling. ``fp8``: torchao's float8 training of the linear
