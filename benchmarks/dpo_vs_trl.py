@@ -102,6 +102,9 @@ def child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as work:
         out = {"rltune": run_rltune, "trl": run_trl}[args.child](args, Path(work))
         accuracy = common.pair_accuracy(out.pop("policy"), args.model_dir, common.read_jsonl(args.eval))
+    import torch
+
+    out["threads"] = torch.get_num_threads()  # what the side ran with, after its own setup
     out.update(impl=args.child, unit="pairs/s", rate=args.steps * PAIRS / out["seconds"],
                quality=accuracy)
     print(json.dumps(out))

@@ -114,6 +114,9 @@ def child(args: argparse.Namespace) -> None:
     """Run one side; print its figures as JSON on the last line."""
     with tempfile.TemporaryDirectory() as work:
         out = {"rltune": run_rltune, "trl": run_trl}[args.child](args, Path(work))
+    import torch
+
+    out["threads"] = torch.get_num_threads()  # what the side ran with, after its own setup
     times = out["step_times"][args.warmup:]
     tail = out["rewards"][-max(1, len(out["rewards"]) // 4):]
     out.update(impl=args.child, unit="completions/s", rate=GROUP / statistics.median(times),

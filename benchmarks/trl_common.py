@@ -127,7 +127,8 @@ def interleave(sides: Sequence[str], repeats: int,
             res = run(side)
             results[side].append(res)
             print(f"  round {r + 1}/{repeats} {side:>9}: {res['rate']:7.2f} {res['unit']}"
-                  f"  quality {res['quality']:.3f}  peak RSS {res['peak_rss_mb']:6.0f} MB",
+                  f"  quality {res['quality']:.3f}  peak RSS {res['peak_rss_mb']:6.0f} MB"
+                  f"  threads {res.get('threads', '-')}",
                   flush=True)
     return results
 
