@@ -37,6 +37,7 @@ whose whole model sits on one GPU (one process or DDP).
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -110,15 +111,20 @@ def _checkpointed_forward(block: torch.nn.Module, *args: Any, **kwargs: Any) -> 
                 f"(`{name}`) in a training forward; its recompute in the backward would write "
                 "the cache a second time. Training forwards pass use_cache=False"
             )
-    return checkpoint(plain, block, *args, use_reentrant=False,
-                      context_fn=lambda: _routing_contexts(block), **kwargs)
+    options: dict[str, Any] = {}
+    # eager only: under torch.compile (train.compile) the recompute replays the traced
+    # tensor ops, with the routes as graph inputs and no Python side effect to repeat
+    if not torch.compiler.is_compiling():
+        routers = [m for m in block.modules() if "_rltune_layer" in m.__dict__]
+        if routers:
+            options["context_fn"] = functools.partial(_routing_contexts, routers)
+    return checkpoint(plain, block, *args, use_reentrant=False, **options, **kwargs)
 
 
-def _routing_contexts(block: torch.nn.Module) -> tuple[Any, Any]:
-    """``(forward, recompute)`` contexts for a checkpointed block: nothing around the
-    forward; around the recompute, the routers of the block get a pass that replays what
-    the forward's pass replayed and counts nothing."""
-    routers = [m for m in block.modules() if "_rltune_layer" in m.__dict__]
+def _routing_contexts(routers: list[torch.nn.Module]) -> tuple[Any, Any]:
+    """``(forward, recompute)`` contexts for a checkpointed block with MoE ``routers``
+    (called at the forward): nothing around the forward; around the recompute, the
+    routers get a pass that replays what the forward's pass replayed and counts nothing."""
     active = [m.__dict__.get("_rltune_pass") for m in routers]
     if not any(p is not None for p in active):
         return contextlib.nullcontext(), contextlib.nullcontext()

@@ -282,3 +282,25 @@ def test_offloaded_optimizer_on_a_gpu_equals_plain_adamw_and_resumes(tiny_model)
         assert float((a - b).abs().max()) <= 1e-6
         assert float((b - c).abs().max()) <= 1e-6
     assert scalars(runs["none"].step(batch))["loss"] == pytest.approx(scalars(off.step(batch))["loss"], rel=1e-5)
+
+
+def test_checkpointed_blocks_compile_with_train_compile(tiny_model) -> None:
+    """``train.compile`` compiles the checkpointed forward (rltune/learner/compiled.py):
+    dynamo takes the non-reentrant checkpoint of a dense block (no context to replay) and
+    the gradients are the plain ones (aot_eager runs the traced ops as eager does:
+    1e-6, measured 0)."""
+    from rltune.learner.compiled import compile_blocks
+
+    ids = torch.randint(4, 260, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        model.train()
+        model(ids, use_cache=False).logits.logsumexp(-1).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    want = grads(copy.deepcopy(tiny_model))
+    model = copy.deepcopy(tiny_model)
+    apply_activation_checkpointing(model, "full")
+    compile_blocks(model, backend="aot_eager")
+    got = grads(model)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= GRAD_ATOL
