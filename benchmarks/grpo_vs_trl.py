@@ -143,9 +143,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3,
-                        help="AdamW learning rate on every side (large enough that a random "
-                             "model's reward moves within a short run)")
+    parser.add_argument("--lr", type=float, default=3e-4,
+                        help="AdamW learning rate on every side: the untrained 3 M model's "
+                             "reward moves from ~0.05 to ~0.35 in 40 steps, far from 1, so "
+                             "a difference in learning per sample shows")
     parser.add_argument("--threads", type=int, help="torch threads on every side "
                         "(default: torch's default, as a user runs it)")
     parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",

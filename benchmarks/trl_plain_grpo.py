@@ -9,7 +9,7 @@ everything else is TRL's default, except gradient checkpointing, which a CPU use
 small model turns off (it only recomputes activations) and the benchmark turns off on
 both sides.
 
-    python benchmarks/trl_plain_grpo.py MODEL_DIR PROMPTS.jsonl --steps 40 --lr 1e-3
+    python benchmarks/trl_plain_grpo.py MODEL_DIR PROMPTS.jsonl --steps 40 --lr 3e-4
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--output", default="/tmp/trl_plain_grpo")
     args = parser.parse_args()
     config = GRPOConfig(
