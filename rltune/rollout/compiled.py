@@ -150,5 +150,7 @@ class CompiledStep:
         )
         head = (decoder.norm, decoder.norm_eps, decoder.lm_head)
         shape = (decoder.head_dim, decoder.groups, decoder.scale)
-        fn = compiled_step_fn(compile_mode(tokens.device))
-        return fn(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
+        mode = compile_mode(tokens.device)
+        logits = compiled_step_fn(mode)(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
+        # a CUDA graph's output lives in the graph's memory and the next replay overwrites it
+        return logits.clone() if mode == "reduce-overhead" else logits
