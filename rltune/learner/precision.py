@@ -41,6 +41,10 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch
 """The autocast dtype of each precision that has one (fp8: bf16 around the float8 linears)."""
 DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """A precision's dtype name, as vLLM and ``model.dtype`` spell it."""
+INIT_SCALE = 2.0**16
+"""fp16's first loss scale (``torch.amp.GradScaler``'s default)."""
+GROWTH_INTERVAL = 2000
+"""Clean fp16 steps after which the loss scale doubles (``GradScaler``'s default)."""
 FP8_MIN_CAPABILITY = (8, 9)
 """float8 matmuls (``torch._scaled_mm``) need Ada / Hopper or newer."""
 
@@ -125,7 +129,7 @@ class Precision:
     different gradients (FSDP2, a mesh layout), so the overflow flag is all-reduced."""
 
     def __init__(self, precision: str, device_type: str, *, sharded: bool = False,
-                 init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+                 init_scale: float | None = None, growth_interval: int | None = None) -> None:
         if precision not in ("fp32", "bf16", "fp16", "fp8"):
             raise PrecisionError(f"train.precision={precision!r}; expected one of fp32, bf16, fp16, fp8")
         if precision == "fp8":
@@ -136,7 +140,8 @@ class Precision:
         self.device_type = device_type
         self.scaler: Any = None
         if precision == "fp16":
-            self.scaler = _make_scaler(device_type, sharded, init_scale, growth_interval)
+            self.scaler = _make_scaler(device_type, sharded, INIT_SCALE if init_scale is None else init_scale,
+                                       GROWTH_INTERVAL if growth_interval is None else growth_interval)
         self.overflows = 0
 
     def autocast(self) -> contextlib.AbstractContextManager:
