@@ -145,15 +145,12 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from rltune.data.tasks import TASKS
-
     keep = ("prompt", "chosen", "rejected")
     with tempfile.TemporaryDirectory() as tmp:
-        args.model_dir = common.build_model(Path(tmp) / "model", args.model)
-        train_rows = TASKS["arith_prefs"]("train")[: args.steps * PAIRS]
-        eval_rows = TASKS["arith_prefs"]("eval")[: args.eval_pairs]
-        args.train = common.write_jsonl(Path(tmp) / "train.jsonl", [{k: r[k] for k in keep} for r in train_rows])
-        args.eval = common.write_jsonl(Path(tmp) / "eval.jsonl", [{k: r[k] for k in keep} for r in eval_rows])
+        args.model_dir = common.prepare(Path(tmp), args.model, {
+            "train.jsonl": ("arith_prefs", "train", args.steps * PAIRS, keep),
+            "eval.jsonl": ("arith_prefs", "eval", args.eval_pairs, keep)})
+        args.train, args.eval = Path(tmp) / "train.jsonl", Path(tmp) / "eval.jsonl"
         env = common.child_env(args.threads)
         sides = [args.only] if args.only else list(SIDES)
         results = common.interleave(

@@ -167,12 +167,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from rltune.data.tasks import TASKS
-
     with tempfile.TemporaryDirectory() as tmp:
-        args.model_dir = common.build_model(Path(tmp) / "model", args.model)
-        rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in TASKS["arith"]("train")]
-        args.prompts = common.write_jsonl(Path(tmp) / "prompts.jsonl", rows)
+        files = {"prompts.jsonl": ("arith", "train", None, ("prompt", "answer"))}
+        args.model_dir = common.prepare(Path(tmp), args.model, files)
+        args.prompts = Path(tmp) / "prompts.jsonl"
         env = common.child_env(args.threads)
         sides = [args.only] if args.only else list(SIDES)
         results = common.interleave(

@@ -10,7 +10,10 @@ Rules both benchmarks keep (``grpo_vs_trl.py``, ``dpo_vs_trl.py``):
   from a shared machine hits every side alike, and each figure is the median over the
   repeats.
 - Peak RSS is each child's own ``ru_maxrss`` as the kernel reports it to the parent
-  (``os.wait4``), so a side cannot under-report it.
+  (``os.wait4``), so a side cannot under-report it. The parent never loads torch (the
+  model is built by a child of its own, :func:`prepare`): Linux carries a process's peak
+  RSS over ``exec``, so a parent holding a model would floor every side's figure at its
+  own memory.
 - "plain TRL" is a separate script written as a TRL user writes one (no rltune import,
   the model given as a path, TRL's own ``train_samples_per_second``), so the reader can
   check that the TRL side of the harness runs at TRL's own speed.
@@ -60,6 +63,32 @@ def build_model(directory: Path, size: str) -> Path:
     params = count_parameters(AutoModelForCausalLM.from_pretrained(directory))
     print(f"model: Qwen2 {params / 1e6:.2f} M parameters ({size})", flush=True)
     return directory
+
+
+def prepare(directory: Path, size: str, files: dict[str, tuple[str, str, int | None, Sequence[str]]]) -> Path:
+    """Build the model and write the data files in a child process; the model directory.
+
+    ``files`` maps a file name to ``(task, split, rows, fields)``: the first ``rows`` rows
+    (all with None) of the built-in task's split, with only ``fields``. Done in a child so
+    that the parent never loads torch: Linux carries a process's peak RSS over ``exec``,
+    so every side started by a parent holding a model would report at least the parent's
+    memory as its own peak."""
+    spec = json.dumps({"directory": str(directory), "size": size, "files": files})
+    done = subprocess.run([sys.executable, __file__, spec], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"building the model and data failed:\n{done.stderr[-4000:]}")
+    print(done.stdout.strip(), flush=True)
+    return directory / "model"
+
+
+def _prepare(spec: dict[str, Any]) -> None:
+    from rltune.data.tasks import TASKS
+
+    directory = Path(spec["directory"])
+    build_model(directory / "model", spec["size"])
+    for name, (task, split, rows, fields) in spec["files"].items():
+        chosen = TASKS[task](split)[:rows]
+        write_jsonl(directory / name, [{k: r[k] for k in fields} for r in chosen])
 
 
 def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
@@ -200,3 +229,7 @@ def _response_logps(model: Any, seqs: list[tuple[list[int], list[int]]], pad: in
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
     logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     return (logps * scored[:, 1:]).sum(-1)
+
+
+if __name__ == "__main__":
+    _prepare(json.loads(sys.argv[1]))

@@ -1,0 +1,74 @@
+"""The shared helpers of the benchmarks against TRL: the held-out pair judge, the config
+overrides and the per-child peak RSS (the figures the benchmarks print rest on them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import trl_common as common  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rltune.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("m"), hidden_size=32, layers=1, heads=2, kv_heads=1)
+
+
+def test_response_logps_of_a_padded_batch_equal_each_sequence_alone(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    seqs = [([10, 11, 12], [20, 3]), ([10], [21, 22, 23, 3]), ([13, 14, 15, 16, 17], [3])]
+    batched = common._response_logps(model, seqs, pad=0)
+    for i, (p, r) in enumerate(seqs):
+        ids = torch.tensor([p + r])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+        alone = sum(float(logps[len(p) - 1 + j, t]) for j, t in enumerate(r))
+        # fp32 sums of at most 4 log-probs near -5.6 each; padding only changes the
+        # reduction order inside attention (~1e-6 relative), so 1e-4 is ample yet far
+        # below the ~1 gap a misplaced token or a padded position would cause.
+        assert abs(float(batched[i]) - alone) < 1e-4, (i, float(batched[i]), alone)
+
+
+def test_pair_accuracy_of_the_reference_itself_is_zero(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    pairs = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"},
+             {"prompt": "20+22=", "chosen": "42", "rejected": "24"}]
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    # the margin is exactly 0 for every pair (same weights, same inputs), never > 0
+    assert common.pair_accuracy(policy, model_dir, pairs) == 0.0
+
+
+def test_parse_sets_reads_json_values_and_names_a_bad_item() -> None:
+    assert common.parse_sets(["bf16=true", "max_steps=3", "optim=adamw_torch"]) == {
+        "bf16": True, "max_steps": 3, "optim": "adamw_torch"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        common.parse_sets(["bf16"])
+
+
+def test_run_child_reports_each_child_its_own_peak_rss() -> None:
+    # from a small parent, as the benchmarks run it: this test process holds torch, and
+    # Linux carries a parent's peak RSS over fork and exec into the child's figure
+    child = ("import json, sys; b = bytearray(int(sys.argv[1]) * 2**20); "
+             "b[::4096] = b'x' * len(b[::4096]); print(json.dumps({'rate': 1.0}))")
+    parent = (
+        f"import sys, json; sys.path.insert(0, {str(Path(common.__file__).parent)!r}); "
+        "import trl_common as c; env = c.child_env(None); "
+        f"run = lambda n: c.run_child([sys.executable, '-c', {child!r}, str(n)], env, str(n)); "
+        "print(json.dumps([run(300)['peak_rss_mb'], run(1)['peak_rss_mb']]))"
+    )
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)
+    big, small = json.loads(done.stdout.splitlines()[-1])
+    # the 300 MiB buffer is touched page by page, so it is resident; an interpreter alone
+    # stays far below 100 MB
+    assert big > 300 and small < 100, (big, small)
