@@ -6,6 +6,7 @@ clip, Adam eps=1e-3) with ``train`` keys added."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,6 +82,36 @@ def refused(model_path: str, cases: list[tuple[str, Any, dict[str, Any]]]) -> li
     return messages
 
 
+def offload_resume(model_path: str, directory: str) -> dict[str, Any]:
+    """One rank: FSDP2 with offloaded shards takes a step, writes a sharded checkpoint
+    and takes a second step; a fresh learner built alike loads the checkpoint and takes
+    the second step too. Returns both second steps' weights and where the optimizer's
+    state lives."""
+    from rltune.checkpoint.sharded import load_sharded, save_sharded
+
+    model_dir = resolve_model(model_path)
+    batch = global_batch(model_dir, 0)
+    weights, devices = [], []
+    for resumed in (False, True):
+        learner = build_learner(load_model(model_dir), make_parallelism("fsdp2"), {"offload": "params"})
+        shard = shard_batch(batch, learner.parallelism.rank, learner.parallelism.world, unit=learner.objective.unit)
+        if resumed:
+            load_sharded(learner.model, learner.optimizer, Path(directory), meta)
+        else:
+            learner.step(shard)
+            meta = save_sharded(learner.model, learner.optimizer, Path(directory))
+        learner.step(shard)
+        weights.append({k: v.clone() for k, v in learner.export_weights().items()})
+        devices.append(sorted({v.device.type for s in learner.optimizer.state.values()
+                               for v in s.values() if isinstance(v, torch.Tensor)}))
+    return {"straight": weights[0], "resumed": weights[1], "state_devices": devices}
+
+
 def runs_and_refusals(model_path: str, runs: list, cases: list) -> dict[str, Any]:
     """One rank: :func:`memory_runs` and :func:`refused` in one process start."""
     return {"runs": memory_runs(model_path, runs), "refused": refused(model_path, cases)}
+
+
+def runs_and_resume(model_path: str, runs: list, directory: str) -> dict[str, Any]:
+    """One rank: :func:`memory_runs` and :func:`offload_resume` in one process start."""
+    return {"runs": memory_runs(model_path, runs), "resume": offload_resume(model_path, directory)}

@@ -73,13 +73,24 @@ def check_runs(runs: list, results: list[list[dict]], single: dict) -> None:
 
 
 @pytest.mark.slow
-def test_checkpointing_and_offload_train_like_one_process(model_dir: str, single: dict) -> None:
+def test_checkpointing_and_offload_train_like_one_process_and_offload_resumes(
+        model_dir: str, single: dict, tmp_path) -> None:
     """DDP with full and FSDP2 with selective checkpointing, FSDP2 with offloaded shards
-    (the learner_strategy path and the mesh path), and tp=2 with checkpointing."""
-    from memory_workers import memory_runs
+    (the learner_strategy path and the mesh path), and tp=2 with checkpointing; with
+    offloaded shards a sharded checkpoint resumes to the bit, the optimizer state in
+    host memory."""
+    from memory_workers import runs_and_resume
 
-    results = spawn_learner_group(2, memory_runs, model_dir, RUNS, backend="gloo", timeout_s=600)
-    check_runs(RUNS, results, single)
+    results = spawn_learner_group(2, runs_and_resume, model_dir, RUNS, str(tmp_path / "ckpt"),
+                                  backend="gloo", timeout_s=900)
+    check_runs(RUNS, [r["runs"] for r in results], single)
+    plain_fsdp2 = RUNS.index(("fsdp2", None, {}))
+    for rank in results:
+        resume = rank["resume"]
+        assert resume["state_devices"] == [["cpu"], ["cpu"]]
+        assert all(torch.equal(resume["straight"][k], resume["resumed"][k]) for k in resume["straight"])
+        # two steps on the shard with offload: FSDP2's two steps without it
+        assert max_abs_diff(resume["straight"], rank["runs"][plain_fsdp2]["params"]) <= PARAM_ATOL
 
 
 REFUSED = [
