@@ -304,3 +304,20 @@ def test_checkpointed_blocks_compile_with_train_compile(tiny_model) -> None:
     compile_blocks(model, backend="aot_eager")
     got = grads(model)
     assert max(float((got[k] - want[k]).abs().max()) for k in want) <= GRAD_ATOL
+
+
+def test_critic_blocks_are_checkpointed_with_the_plain_gradients(tiny_path: str) -> None:
+    """The PPO critic (an LM body and a value head) is a LocalLearner too: its body's
+    blocks are found and checkpointed, and its gradients are the plain ones."""
+    from rltune.models.value import load_critic
+
+    ids = torch.randint(4, 260, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    grads = []
+    for mode in ("none", "full"):
+        critic = load_critic(tiny_path).train()
+        torch.nn.init.normal_(critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+        assert apply_activation_checkpointing(critic, mode) == (4 if mode == "full" else 0)
+        (critic(ids, mask, 8) ** 2).sum().backward()
+        grads.append({n: p.grad for n, p in critic.named_parameters()})
+    assert max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0]) <= GRAD_ATOL
