@@ -1,0 +1,56 @@
+"""What each rank of the fp16 learner-group test runs (imported by name in the spawned
+processes: top-level functions only)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from learner_group_workers import ADAM_EPS, BUDGET, GRAD_CLIP, LR, PerShardDenominator, algo_config
+
+from rltune.algos import ALGORITHMS
+from rltune.config.schema import TrainConfig
+from rltune.data.records import TrainBatch
+from rltune.learner.distributed import shard_batch
+from rltune.learner.learner import LocalLearner
+from rltune.learner.objectives import build_objective
+from rltune.learner.parallel import Parallelism, make_parallelism
+from rltune.metrics.types import scalars
+from rltune.models.load import load_model
+
+
+def fp16_learner(model: torch.nn.Module, parallelism: Parallelism | None = None) -> LocalLearner:
+    """The learner-group tests' learner (objective, budget, clip, Adam eps) in fp16."""
+    objective = build_objective(ALGORITHMS["grpo"], algo_config())
+    cfg = TrainConfig(lr=LR, grad_clip=GRAD_CLIP, micro_batch_tokens=BUDGET, precision="fp16")
+    learner = LocalLearner(model, objective, cfg, parallelism=parallelism)
+    for group in learner.optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    return learner
+
+
+def blown_up(batch: TrainBatch) -> TrainBatch:
+    """``batch`` with its advantages times 1e6: the scaled fp16 backward overflows (on
+    every shard of a group)."""
+    return dataclasses.replace(batch, advantages=batch.advantages * 1e6)
+
+
+def three_steps(learner: LocalLearner, batch: TrainBatch, overflow: TrainBatch) -> dict:
+    """A step, an overflowing step (skipped), a step: the metrics of each and the full
+    weights at the end."""
+    metrics = [scalars(learner.step(b)) for b in (batch, overflow, batch)]
+    return {"metrics": metrics, "weights": {k: v.clone() for k, v in learner.export_weights().items()},
+            "version": learner.version}
+
+
+def fp16_group_run(model_dir: str, batch: TrainBatch, names: tuple[str, ...]) -> dict:
+    """One rank: :func:`three_steps` on its shard for each of ``names``: ``ddp``,
+    ``fsdp2``, ``control`` (DDP with the per-shard denominator)."""
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard, overflow = shard_batch(batch, rank, world), shard_batch(blown_up(batch), rank, world)
+    makers = {"ddp": lambda: make_parallelism("ddp"), "fsdp2": lambda: make_parallelism("fsdp2"),
+              "control": PerShardDenominator}
+    return {name: three_steps(fp16_learner(load_model(model_dir), makers[name]()), shard, overflow)
+            for name in names}

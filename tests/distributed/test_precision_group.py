@@ -1,0 +1,107 @@
+"""fp16 in a learner group (gloo, 2 ranks): DDP (``torch.amp.GradScaler``) and FSDP2
+(``ShardedGradScaler``) take the same steps as one fp16 process on the whole batch: the
+same overflow skipped on every rank, the same loss scale, the same weights within the
+tolerance below; the per-shard-denominator control does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from precision_workers import blown_up, fp16_group_run, fp16_learner, three_steps
+
+from learner_group_workers import LR, make_batch
+from rltune.learner.launch import spawn_learner_group
+from rltune.models.load import load_model, resolve_model
+
+# Tolerance on the weights after the three steps (two applied). Each applied Adam step
+# moves a weight by at most lr = 1e-3 (|m / sqrt(v)| <= 1 on the first steps), so a real
+# mistake moves weights by a sizeable part of lr (the per-shard denominator control:
+# 1.4e-4; an unscaled gradient: Adam's ~lr-sized sign steps). The group and the single
+# process run the same fp16 arithmetic on differently split micro-batches: their gradients
+# differ by the fp16 rounding of each micro-batch's weight gradient (2^-11 = 4.9e-4
+# relative), which moves an Adam update by at most lr * 4.9e-4 / 4 = 1.2e-7 per unit of
+# relative error (the slope of g / (|g| + eps) is largest at |g| = eps); cancellations
+# amplify the relative error of small gradient entries, so measured: 9e-7 (DDP), 8e-7
+# (FSDP2). lr / 100 = 1e-5 is 10x that and 14x below the control.
+TOL = LR / 100
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir: str):
+    return make_batch(load_model(model_dir))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: str, batch) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return three_steps(fp16_learner(load_model(model_dir)), batch, blown_up(batch))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _spawn(model_dir: str, batch, *names: str) -> list[dict]:
+    return spawn_learner_group(2, fp16_group_run, model_dir, batch, names, backend="gloo", timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def sharded(model_dir: str, batch) -> list[dict]:
+    """FSDP2 (the sharded scaler)."""
+    return _spawn(model_dir, batch, "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def replicated(model_dir: str, batch) -> list[dict]:
+    """DDP and the control."""
+    return _spawn(model_dir, batch, "ddp", "control")
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_single_process_overflows_once_and_recovers(single: dict) -> None:
+    skipped = [m["train/skipped_overflow"] for m in single["metrics"]]
+    scales = [m["train/loss_scale"] for m in single["metrics"]]
+    assert skipped == [0.0, 1.0, 0.0] and scales == [2.0**16, 2.0**15, 2.0**15]
+    assert single["version"] == 2
+
+
+@pytest.mark.slow  # ~25 s on the shared 2-core machine, mostly starting the processes
+def test_fp16_fsdp2_equals_one_process(single: dict, sharded: list[dict]) -> None:
+    check_group("fsdp2", single, sharded)
+
+
+@pytest.mark.slow
+def test_fp16_ddp_equals_one_process(single: dict, replicated: list[dict]) -> None:
+    check_group("ddp", single, replicated)
+
+
+def check_group(strategy: str, single: dict, group: list[dict]) -> None:
+    for rank in group:
+        run = rank[strategy]
+        assert run["version"] == single["version"]
+        for mine, want in zip(run["metrics"], single["metrics"]):
+            for key in ("train/skipped_overflow", "train/loss_scale", "skipped"):
+                assert mine[key] == want[key], (strategy, key)
+        diff = max_abs_diff(run["weights"], single["weights"])
+        assert diff < TOL, (strategy, diff)
+
+
+def test_training_moved_the_weights_beyond_the_tolerance(single: dict, model_dir: str) -> None:
+    """Equal weights mean something only if the steps moved them by more than the tolerance."""
+    initial = {k: v for k, v in load_model(model_dir).state_dict().items()}
+    assert max_abs_diff(single["weights"], initial) > 10 * TOL
+
+
+@pytest.mark.slow
+def test_per_shard_denominator_control_is_refused(single: dict, replicated: list[dict]) -> None:
+    diff = max_abs_diff(replicated[0]["control"]["weights"], single["weights"])
+    assert diff > TOL
