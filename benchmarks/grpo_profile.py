@@ -10,6 +10,7 @@ the clock, Python between the phases).
     python benchmarks/grpo_profile.py                       # the 3 M model
     python benchmarks/grpo_profile.py --size 25m            # the ~25 M model
     python benchmarks/grpo_profile.py --set rollout.compile=true
+    python benchmarks/grpo_profile.py --threads 1 --clock cpu  # on a shared machine
 
 Phases: ``decode`` the sampling loop (prefill, one forward a token, sampling), ``detok``
 the tokenizer's decode of the completions, ``rollouts`` the rest of building them,
@@ -35,6 +36,11 @@ from typing import Any
 
 import torch
 
+CLOCK = [time.perf_counter]
+"""The clock the phases are read with: wall time, or with ``--clock cpu`` this thread's CPU
+time (with ``--threads 1`` all of the step's compute runs on it), which other processes
+on a shared machine disturb far less."""
+
 SIZES = {
     "3m": dict(arch="qwen2", hidden_size=256, layers=3, heads=4, kv_heads=2),
     "25m": dict(arch="qwen2", hidden_size=512, layers=6, heads=8, kv_heads=4),
@@ -59,11 +65,11 @@ class Timers:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._inner.append(0.0)
-            start = time.perf_counter()
+            start = CLOCK[0]()
             try:
                 return inner(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - start
+                spent = CLOCK[0]() - start
                 self.now[phase] += spent - self._inner.pop()
                 if self._inner:
                     self._inner[-1] += spent
@@ -124,10 +130,10 @@ def run(size: str, steps: int, warmup: int, overrides: list[str]) -> list[dict[s
     original_step = loop.train_step
 
     def train_step(run, samples_log, *, watch=None):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         metrics = original_step(run, samples_log, watch=watch)
         # the metrics line is written after train_step returns: counted in the next step
-        timers.end_step(time.perf_counter() - start)
+        timers.end_step(CLOCK[0]() - start)
         return metrics
 
     loop.train_step = train_step
@@ -160,10 +166,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], help="a config override, KEY=VALUE")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        CLOCK[0] = time.thread_time
     steps = run(args.size, args.steps, args.warmup, args.set)
     print(f"GRPO step, {args.size}, {len(steps)} steps after {args.warmup} warm-up, torch threads "
-          f"{torch.get_num_threads()}", file=sys.stderr)
+          f"{torch.get_num_threads()}, {args.clock} clock", file=sys.stderr)
     print(table(steps))
 
 
