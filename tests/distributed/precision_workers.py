@@ -54,3 +54,33 @@ def fp16_group_run(model_dir: str, batch: TrainBatch, names: tuple[str, ...]) ->
               "control": PerShardDenominator}
     return {name: three_steps(fp16_learner(load_model(model_dir), makers[name]()), shard, overflow)
             for name in names}
+
+
+def fp16_mesh_run(model_path: str, layout: dict) -> dict:
+    """One rank of a ``Layout(**layout)`` group (tensor or expert parallelism) in fp16:
+    :func:`three_steps` on its data shard of the fixed batch of ``model_path``."""
+    from rltune.models.load import resolve_model
+    from rltune.parallel.layout import Layout
+    from rltune.parallel.strategy import MeshParallelism
+
+    from learner_group_workers import make_batch
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model(model_path)
+    batch = make_batch(load_model(model_dir))
+    parallelism = MeshParallelism(Layout(**layout))
+    learner = fp16_learner(load_model(model_dir), parallelism)
+    shard = shard_batch(batch, parallelism.rank, parallelism.world)
+    overflow = shard_batch(blown_up(batch), parallelism.rank, parallelism.world)
+    return three_steps(learner, shard, overflow)
+
+
+def fp16_reference(model_path: str) -> dict:
+    """One fp16 process on the whole fixed batch of ``model_path``."""
+    from rltune.models.load import resolve_model
+
+    from learner_group_workers import make_batch
+
+    model_dir = resolve_model(model_path)
+    batch = make_batch(load_model(model_dir))
+    return three_steps(fp16_learner(load_model(model_dir)), batch, blown_up(batch))

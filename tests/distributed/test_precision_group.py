@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from precision_workers import blown_up, fp16_group_run, fp16_learner, three_steps
+from precision_workers import blown_up, fp16_group_run, fp16_learner, fp16_mesh_run, fp16_reference, three_steps
 
 from learner_group_workers import LR, make_batch
 from rltune.learner.launch import spawn_learner_group
@@ -105,3 +105,25 @@ def test_training_moved_the_weights_beyond_the_tolerance(single: dict, model_dir
 def test_per_shard_denominator_control_is_refused(single: dict, replicated: list[dict]) -> None:
     diff = max_abs_diff(replicated[0]["control"]["weights"], single["weights"])
     assert diff > TOL
+
+
+# --------------------------------------------------------------------------- tp, ep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_path", "layout"), [("builtin:tiny", {"tp": 2}), ("builtin:tiny-moe", {"ep": 2})],
+                         ids=["tp=2", "ep=2"])
+def test_fp16_mesh_layout_equals_one_process(model_path: str, layout: dict) -> None:
+    """Tensor and expert parallelism in fp16: each rank unscales its own DTensor (or
+    expert) shards and the overflow flag is all-reduced over the group, so every rank
+    takes the single process's steps (same tolerance as above)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = fp16_reference(model_path)
+    finally:
+        torch.set_num_threads(threads)
+    for rank in spawn_learner_group(2, fp16_mesh_run, model_path, layout, backend="gloo", timeout_s=300):
+        assert [m["train/skipped_overflow"] for m in rank["metrics"]] == [0.0, 1.0, 0.0]
+        assert [m["train/loss_scale"] for m in rank["metrics"]] == [m["train/loss_scale"] for m in want["metrics"]]
+        assert max_abs_diff(rank["weights"], want["weights"]) < TOL
