@@ -51,13 +51,15 @@ RUNS = [
     ("fsdp2", None, {"offload": "params"}),
     ("mesh", {"dp_shard": 2}, {"offload": "params"}),
     ("mesh", {"tp": 2, "dp_shard": 1}, {"activation_checkpointing": "full"}),
+    ("mesh", {"pp": 2, "dp_shard": 1}, {"activation_checkpointing": "full"}),
 ]
 
 
-def check_runs(runs: list, results: list[list[dict]], single: dict) -> None:
+def check_runs(runs: list, results: list[list[dict]], single: dict, blocks: int = 4) -> None:
     """Every run on every rank trains like one process; with offload also like FSDP2
-    without it; the blocks checkpointed and the shards offloaded as configured."""
-    plain_fsdp2 = runs.index(("fsdp2", None, {}))
+    without it; the blocks checkpointed (of ``blocks``, split over the pipeline stages)
+    and the shards offloaded as configured."""
+    plain_fsdp2 = runs.index(("fsdp2", None, {})) if ("fsdp2", None, {}) in runs else None
     for i, (strategy, layout, train) in enumerate(runs):
         for rank, ranks in enumerate(results):
             got, where = ranks[i], f"{strategy} {layout} {train}, rank {rank}"
@@ -66,9 +68,10 @@ def check_runs(runs: list, results: list[list[dict]], single: dict) -> None:
             assert max_abs_diff(got["params"], single["params"]) <= PARAM_ATOL, where
             assert got["metrics"] == results[0][i]["metrics"], where
             ac = train.get("activation_checkpointing", "none")
-            assert got["checkpointed"] == {"none": 0, "selective": 2, "full": 4}[ac], where
+            local = blocks // (layout or {}).get("pp", 1)
+            assert got["checkpointed"] == {"none": 0, "selective": local // 2, "full": local}[ac], where
             assert got["offloaded"] == (train.get("offload") == "params"), where
-            if train.get("offload") == "params":
+            if train.get("offload") == "params" and plain_fsdp2 is not None:
                 assert max_abs_diff(got["params"], ranks[plain_fsdp2]["params"]) <= PARAM_ATOL, where
 
 
@@ -76,7 +79,7 @@ def check_runs(runs: list, results: list[list[dict]], single: dict) -> None:
 def test_checkpointing_and_offload_train_like_one_process_and_offload_resumes(
         model_dir: str, single: dict, tmp_path) -> None:
     """DDP with full and FSDP2 with selective checkpointing, FSDP2 with offloaded shards
-    (the learner_strategy path and the mesh path), and tp=2 with checkpointing; with
+    (the learner_strategy path and the mesh path), tp=2 and pp=2 with checkpointing; with
     offloaded shards a sharded checkpoint resumes to the bit, the optimizer state in
     host memory."""
     from memory_workers import runs_and_resume
@@ -91,6 +94,21 @@ def test_checkpointing_and_offload_train_like_one_process_and_offload_resumes(
         assert all(torch.equal(resume["straight"][k], resume["resumed"][k]) for k in resume["straight"])
         # two steps on the shard with offload: FSDP2's two steps without it
         assert max_abs_diff(resume["straight"], rank["runs"][plain_fsdp2]["params"]) <= PARAM_ATOL
+
+
+@pytest.mark.slow
+def test_checkpointing_with_expert_parallelism_trains_like_one_process(tmp_path_factory) -> None:
+    """Qwen2-MoE at ep=2 with every block checkpointed: the recompute reruns the
+    experts' all-to-all on both ranks alike, and the update is one process's."""
+    from layout_workers import reference
+    from memory_workers import memory_runs
+
+    from rltune.models.load import resolve_model
+
+    moe_dir = resolve_model("builtin:tiny-moe", cache_dir=str(tmp_path_factory.mktemp("builtin-moe")))
+    runs = [("mesh", {"ep": 2, "dp_shard": 1}, {"activation_checkpointing": "full"})]
+    results = spawn_learner_group(2, memory_runs, moe_dir, runs, backend="gloo", timeout_s=600)
+    check_runs(runs, results, reference(moe_dir), blocks=2)
 
 
 REFUSED = [
