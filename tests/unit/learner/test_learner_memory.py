@@ -321,3 +321,24 @@ def test_critic_blocks_are_checkpointed_with_the_plain_gradients(tiny_path: str)
         (critic(ids, mask, 8) ** 2).sum().backward()
         grads.append({n: p.grad for n, p in critic.named_parameters()})
     assert max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0]) <= GRAD_ATOL
+
+
+def test_learner_with_offloaded_optimizer_steps_as_the_plain_learner(tiny_model, monkeypatch) -> None:
+    """The learner's path with ``offload: optimizer`` (schedule with warm-up, clip on the
+    device gradients, zero_grad), run on CPU parameters by letting the optimizer take
+    them: two steps give the plain learner's weights bitwise and the same learning rates."""
+    import functools
+
+    import rltune.learner.optim as optim
+
+    monkeypatch.setattr(optim, "HostOffloadAdamW", functools.partial(HostOffloadAdamW, require_device=False))
+    batch = grpo_batch(tiny_model)
+    learners = [_learner(copy.deepcopy(tiny_model), offload=o, warmup_steps=2, grad_clip=0.5)
+                for o in ("none", "optimizer")]
+    assert isinstance(learners[1].optimizer, HostOffloadAdamW)
+    for _ in range(2):
+        plain, offloaded = (scalars(learner.step(batch)) for learner in learners)
+        assert plain["lr"] == offloaded["lr"] and plain["grad_norm"] == offloaded["grad_norm"]
+    for a, b in zip(learners[0].model.parameters(), learners[1].model.parameters()):
+        assert torch.equal(a, b)
+    assert all(p.grad is None for p in learners[1].model.parameters())
