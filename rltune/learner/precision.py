@@ -36,9 +36,8 @@ import torch
 
 from rltune.metrics import keys
 from rltune.metrics.types import Last, Metric, Sum
+from rltune.models.autocast import AUTOCAST_DTYPES, autocast_for
 
-AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-"""The autocast dtype of each precision that has one (fp8: bf16 around the float8 linears)."""
 DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """A precision's dtype name, as vLLM and ``model.dtype`` spell it."""
 INIT_SCALE = 2.0**16
@@ -113,14 +112,6 @@ def vllm_dtype(cfg: Any) -> str:
     engine has no autocast; it computes in the dtype of its weights)."""
     chosen = generator_precision(cfg)
     return cfg.model.dtype if chosen == "fp32" else DTYPE_NAMES[chosen]
-
-
-def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
-    """The autocast context of ``precision`` on ``device_type`` (a null one for fp32)."""
-    dtype = AUTOCAST_DTYPES.get(precision)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
 
 
 class Precision:

@@ -19,9 +19,9 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rltune.data.collate import left_pad
 from rltune.data.records import Prompt, Rollout, SamplingParams
-from rltune.learner.precision import autocast_for
 from rltune.metrics import keys
 from rltune.metrics.types import Metric
+from rltune.models.autocast import autocast_for
 from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
 from rltune.rollout.compiled import CompiledStep
 from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
