@@ -236,7 +236,7 @@ def assert_checkpoint_like_local(saved: dict, local: dict, version: int) -> None
     assert meta.keys() == expected.keys()
     assert meta["model"] == expected["model"] == {"format": "full"}
     assert meta["optimizer"] == expected["optimizer"]
-    assert meta["learner"] == {"version": version, "nonfinite_in_a_row": 0, "nonfinite_total": 0}
+    assert meta["learner"] == {"version": version, "nonfinite_in_a_row": 0, "nonfinite_total": 0, "precision": {}}
     assert meta["scheduler"]["last_epoch"] == version
 
 
