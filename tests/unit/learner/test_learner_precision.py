@@ -8,11 +8,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rltune.config import load_config
+from rltune.data.records import Prompt, SamplingParams
 from rltune.learner.learner import LocalLearner
 from rltune.learner.precision import (
     Precision,
@@ -20,12 +22,14 @@ from rltune.learner.precision import (
     check_precision,
     fp8_problems,
     generator_precision,
+    learner_precision,
     precision_problems,
     vllm_dtype,
 )
 from rltune.metrics import keys
 from rltune.metrics.types import scalars
 from rltune.parallel.layout import Layout
+from rltune.rollout.hf import HFGenerator
 from test_learner_step import grpo_batch, make_learner, step_and_capture
 
 
@@ -165,3 +169,34 @@ def test_generator_follows_the_learner_precision():
     assert generator_precision(cfg("train.precision=fp16", "rollout.precision=fp32")) == "fp32"
     assert vllm_dtype(cfg("train.precision=fp16")) == "float16"
     assert vllm_dtype(cfg("model.dtype=bfloat16")) == "bfloat16"  # fp32 training: the weights' dtype
+
+
+def test_fp16_through_a_pipeline_is_refused_by_the_learner_too(tiny_model):
+    """A learner built directly (the Python API) with a pipeline strategy refuses fp16."""
+    pipelined = SimpleNamespace(pipeline=object())
+    with pytest.raises(PrecisionError, match="pp > 1"):
+        learner_precision("fp16", tiny_model, pipelined)
+
+
+def test_generator_samples_under_the_learner_precision(tiny_model, tiny_path):
+    """The same draws at fp32 and fp16: the fp16 generator's log-probs are the fp32 ones
+    up to fp16 rounding (about 1e-3 here; 2^-11 relative per operation), and not equal to
+    them (which they would be if the precision were ignored)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    prompts = [Prompt(id=str(i), text="", input_ids=tokenizer.encode(f"{i} + {i} =")) for i in range(4)]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    out = {}
+    for precision in ("fp32", "fp16"):
+        generator = HFGenerator(copy.deepcopy(tiny_model), tokenizer, rng=torch.Generator().manual_seed(0),
+                                precision=precision)
+        out[precision] = generator.generate(prompts, params)
+    for a, b in zip(out["fp32"], out["fp16"]):
+        if not torch.equal(a.completion_ids, b.completion_ids):
+            continue  # a draw that rounding moved: the log-probs are of other tokens
+        gap = (a.completion_logprobs - b.completion_logprobs).abs().max()
+        assert gap < 1e-2, gap
+    gaps = [float((a.completion_logprobs - b.completion_logprobs).abs().max())
+            for a, b in zip(out["fp32"], out["fp16"]) if torch.equal(a.completion_ids, b.completion_ids)]
+    assert gaps and max(gaps) > 0
