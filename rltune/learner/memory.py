@@ -20,7 +20,8 @@ plain forward: checkpointing changes nothing but the training forward's memory.
 
 A non-reentrant checkpoint needs no input that requires grad, so LoRA's frozen
 embeddings need no ``enable_input_require_grads``; the RNG state is replayed, so a LoRA
-dropout mask is the same in the recompute.
+dropout mask is the same in the recompute. With ``train.compile`` the checkpointed
+forward is what gets compiled (dense models; MoE with both is refused).
 
 MoE routers installed by :func:`rltune.models.routing.install_routing` run again in the
 recompute: the block's routers then see the forward's recorded routes (replay) but count
@@ -112,8 +113,8 @@ def _checkpointed_forward(block: torch.nn.Module, *args: Any, **kwargs: Any) -> 
                 "the cache a second time. Training forwards pass use_cache=False"
             )
     options: dict[str, Any] = {}
-    # eager only: under torch.compile (train.compile) the recompute replays the traced
-    # tensor ops, with the routes as graph inputs and no Python side effect to repeat
+    # only MoE blocks need a context, and dynamo takes none of ours: train.compile
+    # compiles dense checkpointed blocks only (MoE with both is refused, prepare_memory)
     if not torch.compiler.is_compiling():
         routers = [m for m in block.modules() if "_rltune_layer" in m.__dict__]
         if routers:
@@ -249,6 +250,15 @@ def prepare_memory(model: torch.nn.Module, cfg: Any, parallelism: Any) -> None:
     """Before the learner's parallelism wraps ``model``: checkpoint its blocks
     (``cfg.activation_checkpointing``) and, for ``cfg.offload: params``, have the
     strategy shard with CPU offload; refuse a combination that cannot take effect."""
+    if cfg.activation_checkpointing != "none" and getattr(cfg, "compile", False):
+        from rltune.models.routing import find_routers
+
+        if find_routers(model):
+            raise ValueError(
+                f"train.activation_checkpointing={cfg.activation_checkpointing!r} with train.compile on a "
+                f"mixture-of-experts model ({type(model).__name__}): the compiled recompute would route the "
+                "tokens anew instead of as the forward did (routing replay, counts); turn one of the two off"
+            )
     apply_activation_checkpointing(model, cfg.activation_checkpointing, getattr(cfg, "checkpoint_every", None))
     strategy = type(parallelism).__name__
     if cfg.offload == "params":
