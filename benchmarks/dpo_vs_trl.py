@@ -67,7 +67,7 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
         "name=bench", f"model.path={args.model_dir}", "algo.name=dpo", f"algo.beta={BETA}",
         f"data.train={args.train}", "data.chat_template=false", f"train.steps={args.steps}",
         f"train.prompts_per_step={PAIRS}", f"train.lr={args.lr}", f"log.dir={work}",
-        "log.console=false", "checkpoint.final=true",
+        f"train.seed={args.seed}", "log.console=false", "checkpoint.final=true",
     ])
     run = run_local(cfg)
     from transformers import AutoModelForCausalLM
@@ -85,7 +85,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     settings = dict(
         output_dir=str(work / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=PAIRS, learning_rate=args.lr, lr_scheduler_type="constant",
-        max_steps=args.steps, beta=BETA, report_to="none", save_strategy="no", seed=0,
+        max_steps=args.steps, beta=BETA, report_to="none", save_strategy="no", seed=args.seed,
     )
     trainer = DPOTrainer(
         model=str(args.model_dir), args=DPOConfig(**{**settings, **common.parse_sets(args.trl_set)}),
@@ -110,14 +110,15 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def side_argv(side: str, args: argparse.Namespace) -> list[str]:
+def side_argv(side: str, args: argparse.Namespace, seed: int) -> list[str]:
     """The command line of one side's child process."""
     if side == "trl-plain":
         return [sys.executable, str(Path(__file__).with_name("trl_plain_dpo.py")),
                 str(args.model_dir), str(args.train), str(args.eval), "--steps", str(args.steps),
                 "--pairs", str(PAIRS), "--lr", str(args.lr), "--beta", str(BETA),
-                "--output", str(args.model_dir.parent / "trl_plain")]
-    return [sys.executable, __file__, "--child", side, "--model-dir", str(args.model_dir),
+                "--output", str(args.model_dir.parent / "trl_plain"), "--seed", str(seed)]
+    return [sys.executable, __file__, "--child", side, "--seed", str(seed),
+            "--model-dir", str(args.model_dir),
             "--train", str(args.train), "--eval", str(args.eval), "--steps", str(args.steps),
             "--lr", str(args.lr), *[f"--trl-set={s}" for s in args.trl_set]]
 
@@ -135,6 +136,7 @@ def parse() -> argparse.Namespace:
                         help="override one DPOConfig field on the trl side (not on trl-plain)")
     parser.add_argument("--only", choices=SIDES, help="run one side, --repeats times")
     parser.add_argument("--child", choices=("rltune", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     for hidden in ("--model-dir", "--train", "--eval"):
         parser.add_argument(hidden, type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -154,7 +156,7 @@ def main() -> None:
         env = common.child_env(args.threads)
         sides = [args.only] if args.only else list(SIDES)
         results = common.interleave(
-            sides, args.repeats, lambda s: common.run_child(side_argv(s, args), env, s))
+            sides, args.repeats, lambda s, seed: common.run_child(side_argv(s, args, seed), env, s))
     common.report(results, unit="pairs/s", quality="held-out pair accuracy", target=1.5)
 
 

@@ -60,7 +60,7 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
         f"algo.group_size={GROUP}", f"data.train={args.prompts}", "data.chat_template=false",
         f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
         f"train.steps={args.steps}", "train.prompts_per_step=1", f"train.lr={args.lr}",
-        f"log.dir={work}", "log.console=false", "checkpoint.final=false",
+        f"log.dir={work}", f"train.seed={args.seed}", "log.console=false", "checkpoint.final=false",
     ])
     history = train(build_run(cfg))
     return {"step_times": [m["time/step"] for m in history],
@@ -97,7 +97,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         per_device_train_batch_size=GROUP, num_generations=GROUP,
         max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0, learning_rate=args.lr,
         lr_scheduler_type="constant", max_steps=args.steps, report_to="none",
-        save_strategy="no", logging_steps=1, seed=0,
+        save_strategy="no", logging_steps=1, seed=args.seed,
     )
     config = GRPOConfig(**{**settings, **common.parse_sets(args.trl_set)})
     trainer = GRPOTrainer(
@@ -124,14 +124,15 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def side_argv(side: str, args: argparse.Namespace) -> list[str]:
+def side_argv(side: str, args: argparse.Namespace, seed: int) -> list[str]:
     """The command line of one side's child process."""
     if side == "trl-plain":
         return [sys.executable, str(Path(__file__).with_name("trl_plain_grpo.py")),
                 str(args.model_dir), str(args.prompts), "--steps", str(args.steps),
                 "--group", str(GROUP), "--new-tokens", str(NEW_TOKENS), "--lr", str(args.lr),
-                "--output", str(args.model_dir.parent / "trl_plain")]
-    return [sys.executable, __file__, "--child", side, "--model-dir", str(args.model_dir),
+                "--output", str(args.model_dir.parent / "trl_plain"), "--seed", str(seed)]
+    return [sys.executable, __file__, "--child", side, "--seed", str(seed),
+            "--model-dir", str(args.model_dir),
             "--prompts", str(args.prompts), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr),
             *[f"--trl-set={s}" for s in args.trl_set]]
@@ -154,6 +155,7 @@ def parse() -> argparse.Namespace:
                              "trl-plain), e.g. bf16=true to see TRL's CPU default")
     parser.add_argument("--only", choices=SIDES, help="run one side, --repeats times")
     parser.add_argument("--child", choices=("rltune", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -174,7 +176,7 @@ def main() -> None:
         env = common.child_env(args.threads)
         sides = [args.only] if args.only else list(SIDES)
         results = common.interleave(
-            sides, args.repeats, lambda s: common.run_child(side_argv(s, args), env, s))
+            sides, args.repeats, lambda s, seed: common.run_child(side_argv(s, args, seed), env, s))
     common.report(results, unit="completions/s", quality="reward, last quarter", target=2.0)
 
 

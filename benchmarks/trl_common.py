@@ -148,12 +148,16 @@ def run_child(argv: list[str], env: dict[str, str], what: str) -> dict[str, Any]
 
 
 def interleave(sides: Sequence[str], repeats: int,
-               run: Callable[[str], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Run every side once per round, in order, for ``repeats`` rounds; results by side."""
+               run: Callable[[str, int], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Run every side once per round, in order, for ``repeats`` rounds; results by side.
+
+    ``run(side, seed)`` gets the round's number as its training seed, the same for every
+    side in a round and different between rounds, so the median of the learning figure
+    is over seeds rather than one seed's luck."""
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     for r in range(repeats):
         for side in sides:
-            res = run(side)
+            res = run(side, r)
             results[side].append(res)
             print(f"  round {r + 1}/{repeats} {side:>9}: {res['rate']:7.2f} {res['unit']}"
                   f"  quality {res['quality']:.3f}  peak RSS {res['peak_rss_mb']:6.0f} MB"

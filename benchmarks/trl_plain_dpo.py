@@ -30,13 +30,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=16, help="pairs per step")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output", default="/tmp/trl_plain_dpo")
     args = parser.parse_args()
     config = DPOConfig(
         output_dir=args.output, use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=args.pairs, per_device_eval_batch_size=args.pairs,
         learning_rate=args.lr, lr_scheduler_type="constant", max_steps=args.steps,
-        beta=args.beta, report_to="none", save_strategy="no",
+        beta=args.beta, report_to="none", save_strategy="no", seed=args.seed,
     )
     trainer = DPOTrainer(
         model=args.model, args=config,

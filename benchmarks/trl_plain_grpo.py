@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output", default="/tmp/trl_plain_grpo")
     args = parser.parse_args()
     config = GRPOConfig(
@@ -42,7 +43,7 @@ def main() -> None:
         per_device_train_batch_size=args.group, num_generations=args.group,
         max_completion_length=args.new_tokens, learning_rate=args.lr,
         lr_scheduler_type="constant", max_steps=args.steps, beta=0.0,
-        report_to="none", save_strategy="no", logging_steps=1,
+        report_to="none", save_strategy="no", seed=args.seed, logging_steps=1,
     )
     trainer = GRPOTrainer(
         model=args.model, reward_funcs=digit_share, args=config,
