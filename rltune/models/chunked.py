@@ -71,9 +71,10 @@ def set_logprob_chunk_tokens(model: nn.Module, tokens: int) -> None:
 
 def logprob_chunk_tokens(model: nn.Module) -> int:
     """The chunk size recorded on ``model`` (:func:`set_logprob_chunk_tokens`), else
-    :data:`DEFAULT_CHUNK_TOKENS`."""
+    :data:`DEFAULT_CHUNK_TOKENS`; 0 (its own logits, read whole) for a model without an
+    ``lm_head``, whose forward is the only way to its logits."""
     owner = head_owner(model)
-    return int(getattr(owner, CHUNK_ATTR, DEFAULT_CHUNK_TOKENS)) if owner is not None else DEFAULT_CHUNK_TOKENS
+    return int(getattr(owner, CHUNK_ATTR, DEFAULT_CHUNK_TOKENS)) if owner is not None else 0
 
 
 def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
