@@ -4,10 +4,13 @@ Every side trains the same untrained Qwen2 (``--model 3m`` or ``25m``, built loc
 with sigmoid DPO (beta 0.1) on arithmetic preference pairs (``builtin:arith_prefs``:
 chosen the sum, rejected a careless mistake; ``--steps`` x 16 train pairs, one epoch,
 written once to jsonl), plain-text prompts, AdamW at a constant learning rate, gradient
-clip 1.0, fp32, no gradient checkpointing. Each side computes the reference log-probs as
-it normally does: TRL with a frozen copy of the model during training
-(``precompute_ref_log_probs`` off, its default); rltune once before training, over the
-train pairs, with the policy itself (``algo.name=dpo``).
+clip 1.0, fp32, no gradient checkpointing. In each round the rltune and trl sides read
+the pairs in the same order (a copy shuffled with the round's seed, read in file order:
+``data.shuffle=false``, TRL's ``train_sampling_strategy="sequential"``): with each
+library's own shuffle the held-out accuracy differed by the order alone. Each side
+computes the reference log-probs as it normally does: TRL with a frozen copy of the
+model during training (``precompute_ref_log_probs`` off, its default); rltune once
+before training, over the train pairs, with the policy itself (``algo.name=dpo``).
 
 Sides, each in a fresh process, interleaved round by round (see ``trl_common``):
 
@@ -65,9 +68,10 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
     preference.load_or_compute_reference = timed_reference
     cfg = load_config(None, [
         "name=bench", f"model.path={args.model_dir}", "algo.name=dpo", f"algo.beta={BETA}",
-        f"data.train={args.train}", "data.chat_template=false", f"train.steps={args.steps}",
+        f"data.train={args.train}", "data.shuffle=false", "data.chat_template=false",
+        f"train.steps={args.steps}",
         f"train.prompts_per_step={PAIRS}", f"train.lr={args.lr}", f"log.dir={work}",
-        f"train.seed={args.seed}", "log.console=false", "checkpoint.final=true",
+        f"train.seed={args.seed}", "log.console=false", *args.rltune_set, "checkpoint.final=true",
     ])
     run = run_local(cfg)
     from transformers import AutoModelForCausalLM
@@ -85,7 +89,8 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     settings = dict(
         output_dir=str(work / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=PAIRS, learning_rate=args.lr, lr_scheduler_type="constant",
-        max_steps=args.steps, beta=BETA, report_to="none", save_strategy="no", seed=args.seed,
+        max_steps=args.steps, beta=BETA, train_sampling_strategy="sequential", report_to="none",
+        save_strategy="no", seed=args.seed,
     )
     trainer = DPOTrainer(
         model=str(args.model_dir), args=DPOConfig(**{**settings, **common.parse_sets(args.trl_set)}),
@@ -119,8 +124,10 @@ def side_argv(side: str, args: argparse.Namespace, seed: int) -> list[str]:
                 "--output", str(args.model_dir.parent / "trl_plain"), "--seed", str(seed)]
     return [sys.executable, __file__, "--child", side, "--seed", str(seed),
             "--model-dir", str(args.model_dir),
-            "--train", str(args.train), "--eval", str(args.eval), "--steps", str(args.steps),
-            "--lr", str(args.lr), *[f"--trl-set={s}" for s in args.trl_set]]
+            "--train", str(common.shuffled_copy(args.train, seed)), "--eval", str(args.eval),
+            "--steps", str(args.steps),
+            "--lr", str(args.lr), *[f"--trl-set={s}" for s in args.trl_set],
+            *[f"--rltune-set={s}" for s in args.rltune_set]]
 
 
 def parse() -> argparse.Namespace:
@@ -134,6 +141,9 @@ def parse() -> argparse.Namespace:
                         "(default: torch's default, as a user runs it)")
     parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one DPOConfig field on the trl side (not on trl-plain)")
+    parser.add_argument("--rltune-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one rltune config key on the rltune side (not on "
+                             "trl-plain), e.g. algo.aggregation=seq-mean-token-mean")
     parser.add_argument("--only", choices=SIDES, help="run one side, --repeats times")
     parser.add_argument("--child", choices=("rltune", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)

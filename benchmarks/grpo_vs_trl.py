@@ -6,7 +6,10 @@ Every side trains the same untrained Qwen2 (``--model 3m``: 3.0 M parameters, ``
 a group of 8 completions, up to 32 new tokens at temperature 1, reward = the share of
 digits in the completion (see ``trl_common.digit_share``), no KL term, token-mean loss,
 ratio clip 0.2, group-std advantages, gradient clip 1.0, AdamW at a constant learning
-rate, one optimizer step per batch, fp32, no gradient checkpointing.
+rate, one optimizer step per batch, fp32, no gradient checkpointing. In each round the
+rltune and trl sides read the prompts in the same order (a copy shuffled with the round's
+seed, read in file order: ``data.shuffle=false``, ``shuffle_dataset=False``); only the
+sampled completions differ between them.
 
 Sides, each in a fresh process, interleaved round by round (see ``trl_common``):
 
@@ -57,10 +60,12 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
 
     cfg = load_config(None, [
         "name=bench", f"model.path={args.model_dir}", "algo.name=grpo",
-        f"algo.group_size={GROUP}", f"data.train={args.prompts}", "data.chat_template=false",
+        f"algo.group_size={GROUP}", f"data.train={args.prompts}", "data.shuffle=false",
+        "data.chat_template=false",
         f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
         f"train.steps={args.steps}", "train.prompts_per_step=1", f"train.lr={args.lr}",
-        f"log.dir={work}", f"train.seed={args.seed}", "log.console=false", "checkpoint.final=false",
+        f"log.dir={work}", f"train.seed={args.seed}", "log.console=false",
+        "checkpoint.final=false", *args.rltune_set,
     ])
     history = train(build_run(cfg))
     return {"step_times": [m["time/step"] for m in history],
@@ -96,7 +101,8 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         output_dir=str(work / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=GROUP, num_generations=GROUP,
         max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0, learning_rate=args.lr,
-        lr_scheduler_type="constant", max_steps=args.steps, report_to="none",
+        lr_scheduler_type="constant", max_steps=args.steps, shuffle_dataset=False,
+        report_to="none",
         save_strategy="no", logging_steps=1, seed=args.seed,
     )
     config = GRPOConfig(**{**settings, **common.parse_sets(args.trl_set)})
@@ -133,9 +139,10 @@ def side_argv(side: str, args: argparse.Namespace, seed: int) -> list[str]:
                 "--output", str(args.model_dir.parent / "trl_plain"), "--seed", str(seed)]
     return [sys.executable, __file__, "--child", side, "--seed", str(seed),
             "--model-dir", str(args.model_dir),
-            "--prompts", str(args.prompts), "--steps", str(args.steps),
+            "--prompts", str(common.shuffled_copy(args.prompts, seed)), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr),
-            *[f"--trl-set={s}" for s in args.trl_set]]
+            *[f"--trl-set={s}" for s in args.trl_set],
+            *[f"--rltune-set={s}" for s in args.rltune_set]]
 
 
 def parse() -> argparse.Namespace:
@@ -153,6 +160,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one GRPOConfig field on the trl side (not on "
                              "trl-plain), e.g. bf16=true to see TRL's CPU default")
+    parser.add_argument("--rltune-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one rltune config key on the rltune side (not on "
+                             "trl-plain), e.g. algo.aggregation=seq-mean-token-mean")
     parser.add_argument("--only", choices=SIDES, help="run one side, --repeats times")
     parser.add_argument("--child", choices=("rltune", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
