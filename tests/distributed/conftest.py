@@ -14,6 +14,24 @@ import pytest
 _LAST_RAY_TEST: list[str] = []
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``builtin:tiny`` (tied embeddings) built once per module; every process of a group
+    loads it from this directory. A module on another model defines its own."""
+    from rltune.models.load import resolve_model
+
+    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: str) -> dict:
+    """One process's two steps on ``model_dir`` (``layout_workers.reference``), what a
+    layout's group is compared with. A module with another reference defines its own."""
+    from layout_workers import reference
+
+    return reference(model_dir)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")

@@ -21,14 +21,9 @@ from learner_group_workers import make_batch
 
 from rltune.data.records import TrainBatch
 from rltune.learner.launch import spawn_learner_group
-from rltune.models.load import load_model, resolve_model
+from rltune.models.load import load_model
 
 PARAM_ATOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

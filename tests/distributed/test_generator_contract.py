@@ -18,15 +18,10 @@ import pytest
 import torch
 
 from rltune.data.records import Prompt, SamplingParams
-from rltune.models.load import load_model, load_tokenizer, resolve_model
+from rltune.models.load import load_model, load_tokenizer
 from rltune.rollout.hf import HFGenerator, eos_ids
 
 KINDS = ("hf", "hf-no-fastpath", "ray", "vllm")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

@@ -18,24 +18,13 @@ import sys
 
 import pytest
 import torch
-from layout_workers import reference, several
+from layout_workers import several
 
 from rltune.learner.launch import spawn_learner_group
-from rltune.models.load import load_model, resolve_model
+from rltune.models.load import load_model
 
 PARAM_ATOL = 1e-6
 TWO_RANKS = [({"dp_shard": 2}, None), ({"dp_replicate": 2}, None), ({"dp_shard": 2}, "local_denominator")]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``builtin:tiny`` built once; every process loads it from this directory."""
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
-
-
-@pytest.fixture(scope="module")
-def single(model_dir: str) -> dict:
-    return reference(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -153,21 +153,6 @@ components by ~1e-7 relative; with Adam eps=1e-3 (layout_workers) the update's s
 by ~1e-3. Loss and gradient norm: rel 1e-5."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``builtin:tiny`` (tied embeddings) built once; every process loads it."""
-    from rltune.models.load import resolve_model
-
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
-
-
-@pytest.fixture(scope="module")
-def single(model_dir: str) -> dict:
-    from layout_workers import reference
-
-    return reference(model_dir)
-
-
 def assert_trains_like_one_process(ranks: list[dict], single: dict, label: str) -> None:
     from test_layouts_data import max_abs_diff
 

@@ -45,7 +45,7 @@ from rltune.learner.distributed import init_group, shard_batch
 from rltune.learner.launch import spawn_learner_group
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.parallel import make_parallelism
-from rltune.models.load import load_model, resolve_model
+from rltune.models.load import load_model
 
 # the fp32 bounds of the learner's unit tests (this directory is not a package)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "learner"))
@@ -53,12 +53,6 @@ import fp32_bounds as fp32  # noqa: E402
 
 PARAM_ATOL = 1e-6
 STRATEGIES = ("ddp", "fsdp2")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``builtin:tiny`` built once; every process loads it from this directory."""
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

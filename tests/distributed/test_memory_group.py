@@ -19,20 +19,6 @@ from rltune.learner.launch import spawn_learner_group
 PARAM_ATOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from rltune.models.load import resolve_model
-
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
-
-
-@pytest.fixture(scope="module")
-def single(model_dir: str) -> dict:
-    from layout_workers import reference
-
-    return reference(model_dir)
-
-
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)

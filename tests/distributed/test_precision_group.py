@@ -11,7 +11,7 @@ from precision_workers import blown_up, fp16_group_run, fp16_learner, fp16_mesh_
 
 from learner_group_workers import LR, make_batch
 from rltune.learner.launch import spawn_learner_group
-from rltune.models.load import load_model, resolve_model
+from rltune.models.load import load_model
 
 # Tolerance on the weights after the three steps (two applied). Each applied Adam step
 # moves a weight by at most lr = 1e-3 (|m / sqrt(v)| <= 1 on the first steps), so a real
@@ -24,11 +24,6 @@ from rltune.models.load import load_model, resolve_model
 # amplify the relative error of small gradient entries, so measured: 9e-7 (DDP), 8e-7
 # (FSDP2). lr / 100 = 1e-5 is 10x that and 14x below the control.
 TOL = LR / 100
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ from rltune.data.records import TrainBatch  # noqa: E402
 from rltune.learner.learner import LocalLearner  # noqa: E402
 from rltune.learner.objectives import build_objective  # noqa: E402
 from rltune.metrics.types import scalars  # noqa: E402
-from rltune.models.load import load_model, resolve_model  # noqa: E402
+from rltune.models.load import load_model  # noqa: E402
 from rltune.runtime.roles import (  # noqa: E402
     learner_options,
     load_policy,
@@ -91,11 +91,6 @@ def set_adam_eps(learner: LocalLearner, eps: float) -> None:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from rltune.config import load_config  # noqa: E402
 from rltune.config.schema import PlacementConfig  # noqa: E402
 from rltune.data.records import Prompt, SamplingParams  # noqa: E402
-from rltune.models.load import load_model, load_tokenizer, resolve_model  # noqa: E402
+from rltune.models.load import load_model, load_tokenizer  # noqa: E402
 from rltune.rewards.scorer import LocalScorer, ScoreStats, build_reward_fns  # noqa: E402
 from rltune.rollout.hf import HFGenerator  # noqa: E402
 from rltune.runtime.ray.cluster import RayRuntimeError, place  # noqa: E402
@@ -41,11 +41,6 @@ def digit_share(prompt, completion, **meta):
         raise ValueError("no reward for this one")
     return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
 '''
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

@@ -24,15 +24,10 @@ from selective_workers import AGGREGATIONS, ZERO_ROWS, skip_batch, skip_learner,
 from rltune.data.records import TrainBatch
 from rltune.learner.launch import spawn_learner_group
 from rltune.metrics import keys
-from rltune.models.load import load_model, resolve_model
+from rltune.models.load import load_model
 
 PARAM_ATOL = 1e-6
 STRATEGIES = ("ddp", "fsdp2")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
 
 
 @pytest.fixture(scope="module")

@@ -167,11 +167,6 @@ def load_then_step(model_dir: str, batch: TrainBatch, layout: str, directory: st
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model("builtin:tiny", cache_dir=str(tmp_path_factory.mktemp("builtin")))
-
-
-@pytest.fixture(scope="module")
 def batch(model_dir: str) -> TrainBatch:
     return make_batch(load_model(model_dir))
 
