@@ -7,7 +7,7 @@ Layers, low to high; a package may import itself and the packages of lower layer
 (two packages of one layer are independent of each other)::
 
     metrics -> algos, config, sandbox -> data -> models -> rollout, rewards -> envs, learner
-        -> parallel -> checkpoint -> runtime -> cli
+        -> parallel -> checkpoint -> runtime -> plan -> cli
 
 ``metrics`` (typed metrics, sinks, dashboard, report) is at the bottom so that every
 layer, the loss math included, can return its measurements as typed metrics; it reads
@@ -45,6 +45,7 @@ ORDER: list[tuple[str, ...]] = [
     ("parallel",),
     ("checkpoint",),
     ("runtime",),
+    ("plan",),
     ("cli",),
 ]
 
@@ -65,8 +66,11 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {
         "runtime", "checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
+    "plan": {
+        "plan", "runtime", "checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data",
+    } | _BASE,
     "cli": {
-        "cli", "runtime", "checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data",
+        "cli", "plan", "runtime", "checkpoint", "parallel", "envs", "learner", "rollout", "rewards", "models", "data",
     } | _BASE,
 }
 """Package -> the packages of rltune it may import. ``rltune`` itself (the top-level
@@ -250,7 +254,7 @@ def test_imports_follow_the_layers():
 
 def test_only_cli_imports_the_runtime():
     bad = [imp.where() for imp in package_imports()
-           if imp.target.startswith("rltune.runtime") and layer_of(imp.module) not in {"runtime", "cli"}]
+           if imp.target.startswith("rltune.runtime") and layer_of(imp.module) not in {"runtime", "plan", "cli"}]
     assert bad == []
 
 
@@ -276,6 +280,16 @@ def test_the_walk_sees_the_package():
 def test_config_loads_without_torch():
     """At run time too, through every ``__init__`` on the way."""
     code = "import sys, rltune.config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
+
+
+def test_the_planner_loads_without_torch():
+    """Planning reads config files and does arithmetic; only its calibration (measured
+    steps on this machine) may load torch, and only when it runs."""
+    modules = sorted(module_name(f) for f in (PACKAGE_DIR / "plan").glob("*.py"))
+    planner = [m for m in modules if m != "rltune.plan.calibrate"]
+    assert "rltune.plan.spec" in planner
+    code = f"import sys\nfor m in {planner!r}: __import__(m)\nsys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
 
 
