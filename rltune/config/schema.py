@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rltune.config.parallel import MoeConfig, moe_problems
 from rltune.config.train import TrainConfig, offload_problems
+from rltune.config.vllm import VLLM_RESERVED_ARGS, VLLMConfig  # noqa: F401  (re-exported)
 from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
 
 
@@ -178,34 +179,6 @@ class DataConfig(_Section):
     """A row with a missing field, an empty prompt or a too-long prompt: stop with an
     error naming file and row, or skip it and count it."""
     shuffle: bool = True
-
-
-VLLM_RESERVED_ARGS = frozenset({
-    "model", "tokenizer", "dtype", "seed", "logprobs_mode", "worker_extension_cls",
-    "tensor_parallel_size", "distributed_executor_backend", "trust_remote_code",
-})
-"""``vllm.LLM`` arguments the vLLM generator sets itself (from ``model``, ``train.seed``, ...)."""
-
-
-class VLLMConfig(_Section):
-    """The vLLM engine of ``rollout.engine: vllm`` (one per generator, on one GPU)."""
-
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    """Share of the GPU's memory vLLM may take for weights and KV cache; leave room for a
-    learner that shares the GPU (``runtime.placement.colocate``)."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Longest prompt plus completion; None: the model's own limit."""
-    enforce_eager: bool = False
-    """True: no CUDA graphs (quicker start, slower decoding)."""
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Further ``vllm.LLM`` keyword arguments, passed as they are (not those in
-    ``VLLM_RESERVED_ARGS``, which rltune sets)."""
-
-    @model_validator(mode="after")
-    def _not_ours(self) -> "VLLMConfig":
-        if clash := sorted(VLLM_RESERVED_ARGS & set(self.engine_args)):
-            raise ValueError(f"rollout.vllm.engine_args: {clash} are set by rltune (model.*, train.seed), not here")
-        return self
 
 
 class RolloutConfig(_Section):
@@ -449,6 +422,14 @@ class Config(_Section):
                 "runtime.max_staleness > 0 learns on samples of older policies; set "
                 "algo.importance_correction to token-truncate or seq-mask so the loss "
                 "weighs them by the engine's log-probs"
+            )
+        tp = self.rollout.vllm.tensor_parallel_size
+        if tp > 1 and (self.rollout.engine != "vllm" or (
+                self.runtime.mode == "ray" and self.runtime.placement.generator.gpus < tp)):
+            raise ValueError(
+                f"rollout.vllm.tensor_parallel_size={tp} splits a vLLM engine over {tp} GPUs: it needs "
+                f"rollout.engine=vllm and, on Ray, runtime.placement.generator.gpus >= {tp} "
+                f"(now engine={self.rollout.engine}, generator.gpus={self.runtime.placement.generator.gpus})"
             )
         if self.rollout.engine == "vllm" and self.model.lora is not None:
             raise ValueError(

@@ -107,6 +107,7 @@ class VLLMGenerator:
         seed: int = 0,
         trust_remote_code: bool = False,
         engine_args: Mapping[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         missing = vllm_missing()
         if missing is not None:
@@ -122,7 +123,10 @@ class VLLMGenerator:
                 model=model_dir, tokenizer=model_dir, dtype=dtype, seed=seed,
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
-                tensor_parallel_size=1, distributed_executor_backend="uni",
+                # one process for one GPU; worker processes (each loading its shard of every
+                # update through collective_rpc) when the engine spans several
+                tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
                 trust_remote_code=trust_remote_code, **args,
             )
         except Exception as err:

@@ -169,6 +169,7 @@ def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
         sampler = VLLMGenerator(
             model_dir, tokenizer, dtype=vllm_dtype(cfg), rng=rng, seed=int(rng.initial_seed()),
             trust_remote_code=cfg.model.trust_remote_code, engine_args=engine_args(cfg.rollout.vllm),
+            tensor_parallel_size=cfg.rollout.vllm.tensor_parallel_size,
         )
         stops = sampler.eos_ids
     else:

@@ -66,6 +66,18 @@ def test_the_config_refuses_filtered_sampling_and_lora_with_vllm() -> None:
     assert config("rollout.top_p=0.95", "rollout.engine=hf").rollout.engine == "hf"
 
 
+def test_a_tensor_parallel_engine_needs_vllm_and_its_gpus_reserved() -> None:
+    assert config("rollout.vllm.tensor_parallel_size=2").rollout.vllm.tensor_parallel_size == 2  # local: the process's GPUs
+    ray = ["runtime.mode=ray", "rollout.vllm.tensor_parallel_size=4"]
+    with pytest.raises(ConfigError, match="generator.gpus >= 4 .*generator.gpus=2"):
+        config(*ray, "runtime.placement.generator.gpus=2")
+    assert config(*ray, "runtime.placement.generator.gpus=4").runtime.placement.generator.gpus == 4
+    with pytest.raises(ConfigError, match="needs rollout.engine=vllm"):
+        config("rollout.vllm.tensor_parallel_size=2", "rollout.engine=hf")
+    with pytest.raises(ConfigError, match="set by rltune"):  # not through engine_args either
+        config("rollout.vllm.engine_args.tensor_parallel_size=2")
+
+
 @pytest.mark.skipif(vllm_missing() is None, reason="vLLM is installed here")
 def test_without_vllm_the_generator_says_how_to_get_it() -> None:
     with pytest.raises(VLLMUnavailable, match=r"rollout.engine=vllm: vLLM is not installed .*pip install 'rltune\[vllm\]'"):
