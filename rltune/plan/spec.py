@@ -34,6 +34,9 @@ class ModelSpec:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     """Biases on q, k and v (Qwen2)."""
+    o_bias: bool = False
+    """A bias on the attention's output projection too (Llama's and Qwen3's
+    ``attention_bias: true`` puts one on q, k, v and o)."""
     qk_norm: bool = False
     """RMSNorm of q and k per head (Qwen3)."""
     experts: int = 0
