@@ -101,6 +101,12 @@ class Workload:
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
     rollout_precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     lora_rank: int | None = None
+    model_dtype: Literal["float32", "bfloat16"] = "float32"
+    """``model.dtype``: the dtype the learner's (and reference's, critic's) parameters are
+    stored in; ``precision`` is the autocast over them (``rltune/learner/precision.py``)."""
+    logprob_chunk_tokens: int = 1024
+    """``train.logprob_chunk_tokens``: completion tokens whose float32 logits exist at once
+    in the learner (0: all of a micro-batch's)."""
     epochs: int = 1
     minibatches: int = 1
     max_staleness: int = 0
