@@ -156,6 +156,9 @@ class Candidate:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     offload: Literal["none", "optimizer", "params"] = "none"
     max_staleness: int = 0
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """``runtime.weight_sync``: how new weights reach generators on devices of their own
+    (rltune's default, ``object_store``; ``broadcast`` is a collective from learner rank 0)."""
 
     @property
     def learner_gpus(self) -> int:
