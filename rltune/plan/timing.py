@@ -3,9 +3,8 @@
 and decode), scoring, the weight sync, and the step's wall time once generation overlaps
 learning (``max_staleness`` > 0).
 
-Every term is ``a / eff.X`` or ``eff.Y * count`` of counts taken from the model's shape,
-so that ``plan --calibrate`` can fit ``Efficiency`` by least squares. Units: seconds,
-FLOPs, bytes. Conventions (each used below):
+Each term is ``count / eff.X`` or ``eff.Y x count``, counts from the model's shape, so that
+``plan --calibrate`` can fit ``Efficiency`` by least squares. Units: seconds, FLOPs, bytes.
 
 * a causal sequence of ``S`` tokens costs ``S * forward_flops_per_token(spec, (S + 1) / 2)``
   in its forward: token ``i`` attends to ``i`` positions, and the catalogue's FLOPs are
@@ -13,14 +12,11 @@ FLOPs, bytes. Conventions (each used below):
 * forward + backward = 3 forwards (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3), one
   more with full activation checkpointing; LoRA skips the frozen weights' gradients
   (backward = 1 forward of activation gradients; Hu et al. 2021);
-* the learner keeps fp32 parameters and computes under autocast (``train.precision``,
-  ``rltune/models/autocast.py``), and FSDP2 has no mixed-precision policy there: its
-  gathers and gradient reductions move 4 bytes a parameter; activations are 2 bytes (4 at
-  fp32);
-* collectives are rings (Thakur et al. 2005): all-reduce ``2 (n-1)/n x bytes / bw +
-  2 (n-1) x latency``, all-gather and reduce-scatter half that, all-to-all ``(n-1)/n x
-  bytes / bw + (n-1) x latency``; ``bw`` is the intra-node link when the group's ranks lie
-  in one node, else the inter-node one, times ``eff.comm_bandwidth``;
+* the learner stores its parameters in ``model.dtype`` (``Workload.model_dtype``, float32
+  by default) and computes under autocast (``train.precision``, ``rltune/models/autocast.py``);
+  FSDP2 has no mixed-precision policy there, so its gathers and gradient reductions move
+  the stored dtype (4 or 2 bytes a parameter); activations are 2 bytes (4 at fp32);
+* collectives are rings at the bandwidth of the link the group spans (``rltune.plan.collectives``);
 * the learner mesh is ``pp, dp_replicate, dp_shard, ep, tp`` outermost first
   (``rltune/parallel/layout.py``): a dim's stride is the product of the dims after it.
 """
@@ -30,19 +26,17 @@ from __future__ import annotations
 import math
 
 from rltune.plan import catalogue
+from rltune.plan.collectives import GIGA, all_gather_s, all_reduce_s, all_to_all_s, link_bandwidth
 from rltune.plan.spec import Candidate, Cluster, Efficiency, ModelSpec, StepTime, Workload
 
 TERA = 1e12
-GIGA = 1e9
 VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-PARAM_BYTES = 4
-"""Bytes of a learner parameter or gradient as communicated (fp32 master weights)."""
-ADAM_BYTES = 28
-"""Bytes the optimizer step moves per trainable parameter: AdamW reads the fp32 weight,
-gradient and two moments (16) and writes the weight and moments back (12)."""
+ADAM_VALUES = 7
+"""Values the optimizer step moves per trainable parameter: AdamW reads the weight, its
+gradient and two moments (4) and writes the weight and the moments back (3), each in the
+parameters' dtype (torch keeps the moments in it): 28 bytes at float32, 14 at bfloat16."""
 SELECTIVE_EVERY = 2
-"""``activation_checkpointing: selective`` checkpoints every 2nd block (``train.checkpoint_every``
-default): half the blocks' forward is recomputed."""
+"""``selective`` checkpointing recomputes every 2nd block (``train.checkpoint_every`` default)."""
 
 
 # ---- rates and counts -------------------------------------------------------------------
@@ -76,6 +70,10 @@ def sequence_flops(spec: ModelSpec, tokens: int) -> tuple[float, float]:
     return tokens * base, tokens * (mean - base)
 
 
+def _layers_local(spec: ModelSpec, cand: Candidate) -> float:
+    return spec.layers / cand.learner.pp
+
+
 def micro_batches(work: Workload, cand: Candidate) -> int:
     """Micro-batches one learner rank runs per optimizer step: its rows
     ``ceil(samples / data_world)``, cut into ``minibatches``, ``floor(micro_batch_tokens /
@@ -106,8 +104,9 @@ def _models(work: Workload) -> int:
     return 2 if work.critic else 1
 
 
-def _layers_local(spec: ModelSpec, cand: Candidate) -> float:
-    return spec.layers / cand.learner.pp
+def param_bytes(work: Workload) -> int:
+    """Bytes of one stored learner parameter or gradient (``model.dtype``)."""
+    return 4 if work.model_dtype == "float32" else 2
 
 
 # ---- learner compute --------------------------------------------------------------------
@@ -150,56 +149,25 @@ def reference(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster
 
 
 def local_trainable_params(spec: ModelSpec, work: Workload, cand: Candidate) -> float:
-    """Trainable parameters one learner rank updates: dense ones over ``tp x pp x dp_shard
-    x ep`` (FSDP shards dense weights over ``dp_shard x ep``), experts over ``ep x tp x pp
-    x dp_shard``; with LoRA ``rank x (in + out)`` of the seven projections of each layer."""
+    """Trainable parameters one learner rank updates, over ``tp x pp x dp_shard x ep`` (FSDP
+    shards dense weights over ``dp_shard x ep``; experts are split over ``ep``, then sharded
+    over ``dp_shard``); with LoRA ``rank x (in + out)`` of the seven projections a layer."""
     lay = cand.learner
+    total = catalogue.param_count(spec)
     if work.lora_rank:
         attn = 2 * spec.hidden + 2 * (spec.hidden + spec.kv_heads * spec.head_dim) + 2 * spec.heads * spec.head_dim
-        mlp = 3 * (spec.hidden + spec.intermediate)
-        return work.lora_rank * (attn + mlp) * spec.layers / (lay.tp * lay.pp * lay.dp_shard * lay.ep)
-    experts = catalogue.expert_params(spec)
-    dense = catalogue.param_count(spec) - experts
-    return (dense + experts) / (lay.tp * lay.pp * lay.dp_shard * lay.ep)
+        total = work.lora_rank * (attn + 3 * (spec.hidden + spec.intermediate)) * spec.layers
+    return total / (lay.tp * lay.pp * lay.dp_shard * lay.ep)
 
 
 def optimizer(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
-    """Seconds of the optimizer steps: a memory-bound pass of ``ADAM_BYTES`` per local
+    """Seconds of the optimizer steps: a memory-bound pass of ``ADAM_VALUES`` values per local
     trainable parameter at ``cluster.hbm_gbps`` (on the host, at ``cluster.host_gbps``,
     with ``offload: optimizer|params``: a CPU AdamW is bound by host memory, approximated by
     the host link's rate), per optimizer step and trained model, plus ``eff.step_overhead_s``."""
     gbps = cluster.hbm_gbps if cand.offload == "none" else cluster.host_gbps
-    nbytes = ADAM_BYTES * local_trainable_params(spec, work, cand) * optimizer_steps(work) * _models(work)
-    return nbytes / (gbps * GIGA) + eff.step_overhead_s
-
-
-# ---- collectives ------------------------------------------------------------------------
-
-
-def link_bandwidth(cluster: Cluster, size: int, stride: int, eff: Efficiency) -> float:
-    """Achieved bytes/s of a group of ``size`` ranks ``stride`` apart: the intra-node link
-    when ``size x stride <= gpus_per_node`` (ranks of a node are consecutive), else the
-    inter-node one, times ``eff.comm_bandwidth``."""
-    gbps = cluster.intra_gbps if size * stride <= cluster.gpus_per_node else cluster.inter_gbps
-    return gbps * GIGA * eff.comm_bandwidth
-
-
-def all_reduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: ``2 (n-1)/n x bytes / bw + 2 (n-1) x
-    latency`` (reduce-scatter then all-gather)."""
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
-
-
-def all_gather_s(nbytes: float, n: int, bw: float, latency: float) -> float:
-    """Ring all-gather (or reduce-scatter) whose whole result is ``nbytes``: ``(n-1)/n x
-    bytes / bw + (n-1) x latency``."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + (n - 1) * latency
-
-
-def all_to_all_s(nbytes: float, n: int, bw: float, latency: float) -> float:
-    """All-to-all of ``nbytes`` per rank: ``(n-1)/n`` of it leaves the rank,
-    ``(n-1)/n x bytes / bw + (n-1) x latency``."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + (n - 1) * latency
+    values = ADAM_VALUES * local_trainable_params(spec, work, cand) * optimizer_steps(work) * _models(work)
+    return values * param_bytes(work) / (gbps * GIGA) + eff.step_overhead_s
 
 
 def _act_bytes(precision: str) -> int:
@@ -210,11 +178,11 @@ def _act_bytes(precision: str) -> int:
 
 
 def fsdp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
-    """Seconds of FSDP (ZeRO-3) traffic, before overlap: each local layer's fp32 params
+    """Seconds of FSDP (ZeRO-3) traffic, before overlap: each local layer's stored params
     all-gathered over ``dp_shard x ep`` ranks (stride ``tp``) in every forward and again in
     every backward of every micro-batch, and the gradients reduce-scattered once per
     optimizer step (rltune accumulates without sync, ``rltune/learner/parallel.py``):
-    ``(2 x micro-batches + 1) x optimizer steps x all_gather(4 x params / (tp pp))``, one
+    ``(2 x micro-batches + 1) x optimizer steps x all_gather(bytes x params / (tp pp))``, one
     collective per layer for the latency. Routed experts: split over ``ep``, then sharded
     over ``dp_shard`` (``rltune/parallel/strategy.py``)."""
     lay = cand.learner
@@ -222,9 +190,9 @@ def fsdp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster
     if n <= 1:
         return 0.0
     experts = catalogue.expert_params(spec)
-    dense = PARAM_BYTES * (catalogue.param_count(spec) - experts) / (lay.tp * lay.pp)
+    dense = param_bytes(work) * (catalogue.param_count(spec) - experts) / (lay.tp * lay.pp)
     # experts are split over ep first, then sharded over dp_shard only (stride tp x ep)
-    routed = PARAM_BYTES * experts / (lay.ep * lay.tp * lay.pp)
+    routed = param_bytes(work) * experts / (lay.ep * lay.tp * lay.pp)
     one = (all_gather_s(dense, n, link_bandwidth(cluster, n, lay.tp, eff), 0.0)
            + all_gather_s(routed, lay.dp_shard, link_bandwidth(cluster, lay.dp_shard, lay.tp * lay.ep, eff), 0.0)
            + _layers_local(spec, cand) * (n - 1) * eff.comm_latency_s)
@@ -241,12 +209,12 @@ def fsdp_exposed(comm: float, compute: float, layers: float) -> float:
 
 def dp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds of the gradient all-reduce over ``dp_replicate`` replicas (DDP, or HSDP of
-    each shard), once per optimizer step: ``all_reduce(4 x local params)``, not overlapped
+    each shard), once per optimizer step: ``all_reduce(bytes x local params)``, not overlapped
     (conservative: DDP's buckets overlap it with the last backward)."""
     lay = cand.learner
     stride = lay.dp_shard * lay.ep * lay.tp
     bw = link_bandwidth(cluster, lay.dp_replicate, stride, eff)
-    nbytes = PARAM_BYTES * local_trainable_params(spec, work, cand)
+    nbytes = param_bytes(work) * local_trainable_params(spec, work, cand)
     return _models(work) * optimizer_steps(work) * all_reduce_s(nbytes, lay.dp_replicate, bw, eff.comm_latency_s)
 
 
@@ -303,15 +271,15 @@ def pp_sends(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster,
 
 def offload_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Device-host copies of offload at ``cluster.host_gbps``, not overlapped: ``optimizer``
-    sends the gradients down and the weights up once per optimizer step (8 bytes a local
-    parameter); ``params`` also brings each shard up for every gather (4 bytes each)."""
+    sends the gradients down and the weights up once per optimizer step (2 values a local
+    parameter); ``params`` also brings each shard up for every gather (1 value each)."""
     if cand.offload == "none":
         return 0.0
     local = local_trainable_params(spec, work, cand)
-    copies = 8 * optimizer_steps(work)
+    copies = 2 * optimizer_steps(work)
     if cand.offload == "params":
-        copies += 4 * 2 * micro_batches(work, cand) * optimizer_steps(work)
-    return _models(work) * copies * local / (cluster.host_gbps * GIGA)
+        copies += 2 * micro_batches(work, cand) * optimizer_steps(work)
+    return _models(work) * copies * param_bytes(work) * local / (cluster.host_gbps * GIGA)
 
 
 def learner_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency,
@@ -430,7 +398,7 @@ def _remote_generator_nodes(cand: Candidate, cluster: Cluster) -> int:
 def weight_sync(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds to bring the learner's weights to the generators, at rollout precision
     (``bytes = params x bytes per value``), after the learner gathers its shards
-    (``full_state_dict``: an all-gather of 4-byte params over ``dp_shard x ep``):
+    (``full_state_dict``: an all-gather of the stored params over ``dp_shard x ep``):
 
     * colocated: a copy in device memory, read and write at HBM speed, ``2 x bytes / tp / hbm``;
     * ``broadcast`` (``runtime.weight_sync``, ``rltune/runtime/ray/sync.py``): a pipelined
@@ -444,7 +412,7 @@ def weight_sync(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Clust
     lay = cand.learner
     nbytes = catalogue.param_count(spec) * VALUE_BYTES[work.rollout_precision]
     n = lay.dp_shard * lay.ep
-    gather = all_gather_s(PARAM_BYTES * catalogue.param_count(spec) / (lay.tp * lay.pp), n,
+    gather = all_gather_s(param_bytes(work) * catalogue.param_count(spec) / (lay.tp * lay.pp), n,
                           link_bandwidth(cluster, n, lay.tp, eff), eff.comm_latency_s)
     if cand.colocate:
         return gather + 2 * nbytes / cand.generator_tp / (cluster.hbm_gbps * GIGA)

@@ -10,7 +10,7 @@ worked by hand beside it:
 
 a cluster of round rates (100 TFLOP/s, 1,000 GB/s HBM, 100 GB/s in a node of 4, 10 GB/s
 between nodes, 10 GB/s to the host) and round efficiencies (all 0.5; 1 ms a layer call,
-0.1 s a step, 10 us a hop). The last tests use the real catalogue at scale.
+0.1 s a step, 10 us a hop). The ``test_scale_*`` tests use the real catalogue.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ WORK = Workload(algo="grpo", generates=True, critic=False, reference=False, prom
 
 
 @pytest.fixture(autouse=True)
-def fake_catalogue(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_catalogue(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    if request.function.__name__.startswith("test_scale_"):
+        return  # the real catalogue
     monkeypatch.setattr(catalogue, "forward_flops_per_token", lambda spec, context: 2e9 + 4e4 * context)
     monkeypatch.setattr(catalogue, "param_count", lambda spec: 1e9)
     monkeypatch.setattr(catalogue, "expert_params", lambda spec: 4e8 if spec.is_moe else 0)
@@ -115,6 +117,14 @@ def test_optimizer_is_a_memory_bound_pass() -> None:
     # offloaded: at the host rate 1e10 B/s -> 1.4 + 0.1
     off = cand(dp_shard=2, offload="optimizer")
     assert timing.optimizer(SPEC, WORK, off, CLUSTER, EFF) == pytest.approx(1.5, rel=1e-12)
+
+
+def test_bfloat16_parameters_halve_the_optimizer_and_fsdp_bytes() -> None:
+    work = Workload(**(WORK.__dict__ | dict(model_dtype="bfloat16")))
+    # 5e8 local params x 7 values x 2 bytes = 7e9 / 1e12 = 0.007 s + 0.1 s
+    assert timing.optimizer(SPEC, work, cand(dp_shard=2), CLUSTER, EFF) == pytest.approx(0.107, rel=1e-12)
+    # gathers of 2e9 bytes: 1/2 x 2e9 / 5e10 = 0.02 + 1e-4 latency, x 5 collectives
+    assert timing.fsdp_comm(SPEC, work, cand(dp_shard=2), CLUSTER, EFF) == pytest.approx(0.1005, rel=1e-12)
 
 
 def test_collectives() -> None:
@@ -217,3 +227,60 @@ def test_overlap_and_step() -> None:
     t1 = timing.step_time(SPEC, WORK, cand(dp_shard=2, generator_replicas=2, max_staleness=1), CLUSTER, EFF)
     assert t1.step == pytest.approx(max(t1.generate + t1.score, t1.learn) + t1.weight_sync, rel=1e-12)
     assert t1.step < t.step
+
+
+def test_a_preference_step_only_learns() -> None:
+    dpo = Workload(**(WORK.__dict__ | dict(algo="dpo", generates=False, reference=True)))
+    t = timing.step_time(SPEC, dpo, cand(dp_shard=2), CLUSTER, EFF)
+    assert t.generate == t.score == t.weight_sync == t.reference == 0.0
+    # 0.15619296 forward-backward + 0.114 optimizer + 0.06435704 exposed FSDP
+    assert t.step == pytest.approx(0.3345500, rel=1e-6)
+
+
+# ---- at scale, with the real catalogue ---------------------------------------------------
+
+H100X8 = Cluster(gpus=8)
+LLAMA_8B = catalogue.CATALOGUE["llama-3.1-8b"]
+
+
+def _grpo_8b(completion: int) -> Workload:
+    """GRPO, 128 prompts x 8 samples, 512 prompt tokens, bf16."""
+    return Workload(algo="grpo", generates=True, critic=False, reference=False, prompts_per_step=128,
+                    group_size=8, prompt_tokens=512, completion_tokens=completion)
+
+
+def _generation_share(t) -> float:
+    return t.generate / (t.generate + t.score + t.learn + t.weight_sync)
+
+
+def test_scale_generation_share_of_a_sync_step() -> None:
+    """Llama-3.1-8B GRPO on 8 H100, colocated and in turn: the figures of the docs (every
+    completion at its maximum length, default efficiencies)."""
+    colocated = Candidate(LearnerLayout(dp_shard=8), generator_replicas=8, colocate=True, micro_batch_tokens=16384)
+    shares = {c: _generation_share(timing.step_time(LLAMA_8B, _grpo_8b(c), colocated, H100X8, Efficiency()))
+              for c in (1024, 2048, 4096)}
+    assert shares[1024] == pytest.approx(0.42, abs=0.01)
+    assert shares[2048] == pytest.approx(0.52, abs=0.01)
+    assert shares[4096] == pytest.approx(0.62, abs=0.01)  # long completions: generation dominates
+
+
+def test_scale_staleness_overlaps_generation_with_learning() -> None:
+    split = dict(learner=LearnerLayout(dp_shard=4), generator_replicas=4, micro_batch_tokens=16384)
+    sync = timing.step_time(LLAMA_8B, _grpo_8b(1024), Candidate(**split), H100X8, Efficiency())
+    ahead = timing.step_time(LLAMA_8B, _grpo_8b(1024), Candidate(**split, max_staleness=1), H100X8, Efficiency())
+    assert sync.step == pytest.approx(sync.generate + sync.learn + sync.weight_sync, rel=1e-12)
+    assert ahead.step == pytest.approx(max(ahead.generate, ahead.learn) + ahead.weight_sync, rel=1e-12)
+    assert ahead.step < 0.7 * sync.step  # the shorter phase (generation, ~26 of ~72 s) hides
+
+
+def test_scale_moe_decode_reads_the_active_experts() -> None:
+    moe = catalogue.CATALOGUE["qwen3-30b-a3b"]
+    # one sequence reads the experts it is routed to: the active parameters but the input embedding
+    active = catalogue.active_param_count(moe) - moe.vocab * moe.hidden
+    assert timing.decode_weight_bytes(moe, 1, "bf16") == pytest.approx(2 * active, rel=1e-12)
+    # 256 sequences touch 1 - (120/128)^256 of the experts: all but ~7e-8
+    everything = catalogue.param_count(moe) - moe.vocab * moe.hidden
+    assert timing.decode_weight_bytes(moe, 256, "bf16") == pytest.approx(2 * everything, rel=1e-6)
+    layout = Candidate(LearnerLayout(dp_shard=2, ep=4), generator_replicas=8, micro_batch_tokens=16384)
+    t = timing.step_time(moe, _grpo_8b(1024), layout, Cluster(gpus=16), Efficiency())
+    assert t.comm["ep"] > 0 and t.comm["fsdp"] > 0
