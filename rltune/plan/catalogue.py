@@ -139,7 +139,9 @@ def load_model_spec(path: str) -> ModelSpec:
         file = where
         name = where.parent.name if where.name == "config.json" else where.stem
     else:
-        raise PlanError(f"model path {path!r} is neither a builtin: name, a directory nor a file")
+        known = ", ".join(BUILTIN + k for k in CATALOGUE)
+        raise PlanError(f"model path {path!r} is neither a builtin: name, a directory nor a file; "
+                        f"give a local model directory, its config.json, or one of {known}")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

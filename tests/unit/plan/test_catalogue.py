@@ -152,6 +152,7 @@ FAMILIES = {
     "mistral": dict(head_dim=16),  # Mistral-NeMo style: head_dim != hidden / heads
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=8),
+    "qwen3/no head_dim": dict(),  # Qwen3Config's default head_dim is 128, not hidden / heads
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40, mlp_only_layers=[0]),
@@ -167,14 +168,14 @@ def write_config(tmp_path: Path, config: dict) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_count_equals_transformers_modules(tmp_path, model_type):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_count_equals_transformers_modules(tmp_path, family):
     """The spec read from a config.json counts exactly what transformers builds for it
     (on the meta device: no memory, no weights)."""
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = {"model_type": model_type, **BASE, **FAMILIES[model_type]}
+    config = {"model_type": family.split("/")[0], **BASE, **FAMILIES[family]}
     spec = load_model_spec(str(write_config(tmp_path, config)))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
@@ -231,8 +232,9 @@ def test_bad_configs_name_the_file_and_key(tmp_path, config, expected):
 def test_unreadable_or_missing_files(tmp_path):
     with pytest.raises(PlanError, match=r"has no config.json"):
         load_model_spec(str(tmp_path))
-    with pytest.raises(PlanError, match=r"neither a builtin: name, a directory nor a file"):
-        load_model_spec(str(tmp_path / "absent"))
+    with pytest.raises(PlanError, match=r"neither a builtin: name, a directory nor a file; "
+                                        r"give .* or one of builtin:llama-3.1-8b"):
+        load_model_spec("Qwen/Qwen2.5-7B")  # a hub id: the planner reads local files only
     (tmp_path / "config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(PlanError, match=r"cannot read model config .*config.json"):
         load_model_spec(str(tmp_path))
