@@ -199,6 +199,14 @@ class RolloutConfig(_Section):
     compile: bool = False
     """``hf`` engine: decode over a static KV cache with the step compiled (``torch.compile``;
     CUDA graphs on a GPU). See ``docs/performance.md`` for where it pays."""
+    threads: int | None = Field(None, ge=1)
+    """torch intra-op threads of the generator when it runs in a producer thread of the
+    learner's process (``runtime.mode: local`` with ``runtime.max_staleness > 0``), so that
+    generation and learning, which then run at once, do not compete for one pool of
+    threads. None: half of the threads torch would use (at least 1), and ``train.threads``
+    left unset gets the rest (``rltune.runtime.rollouts.thread_shares``). Not used
+    otherwise: a synchronous run generates on the learner's ``train.threads``, and Ray's
+    generator actors on their reserved CPUs."""
 
     @model_validator(mode="after")
     def _vllm_sampling(self) -> "RolloutConfig":

@@ -61,7 +61,9 @@ class TrainConfig(_Section):
     every sample (each such step learns nothing and is warned about); 0 never stops."""
     seed: int = 0
     threads: int | None = None
-    """torch intra-op threads; None leaves torch's default."""
+    """torch intra-op threads of the learner (and of the generator when it runs in the
+    learner's thread); None leaves torch's default, except in a local run with rollouts
+    ahead of the learner, where None is the threads ``rollout.threads`` leaves."""
     parallel: ParallelConfig = ParallelConfig()
     """The learner group's layout (``rltune/config/parallel.py``)."""
 

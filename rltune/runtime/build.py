@@ -30,6 +30,7 @@ from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.parts import Progress, Run, RunData, RunRoles, RunSpec
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, skip_warnings
 from rltune.runtime.roles import EnvFactory, Roles, is_preference, learner_model, lookup_algorithm, seed_everything
+from rltune.runtime.rollouts import thread_shares
 from rltune.runtime.rundir import prepare_run_dir
 from rltune.runtime.sources import AheadOfLearner, BatchSource, Experience, Offline, OnPolicy
 
@@ -54,8 +55,9 @@ class _Inputs:
 def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> Run:
     """Load model, data and rewards for ``cfg`` and wire them into a :class:`Run`, each role
     built by ``roles`` (``LocalRoles``: in this process; ``RayRoles``: as Ray actors)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    learner_threads, producer_threads = _thread_shares(cfg)
+    if learner_threads:
+        torch.set_num_threads(learner_threads)
     seed_everything(cfg.train.seed)
     inputs = _check_inputs(cfg, config_dir)
     run_dir = Path(cfg.log.dir) / cfg.name
@@ -73,10 +75,22 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
         spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=(moved,) if moved else ()),
         data=data,
         roles=run_roles,
-        source=_batch_source(cfg, inputs.algorithm, data, run_roles, preference),
+        source=_batch_source(cfg, inputs.algorithm, data, run_roles, preference, producer_threads),
         evaluation=_evaluation(cfg, data, run_roles, preference),
         progress=Progress(streams=roles.streams({"sampling": sampling, "minibatch": minibatch}), minibatch_rng=minibatch),
     )
+
+
+def _thread_shares(cfg: Config) -> tuple[int | None, int | None]:
+    """Torch threads ``(learner, producer)`` of this process; None leaves torch's default.
+
+    A local run with rollouts ahead of the learner generates in a producer thread while the
+    learner learns, so the two get disjoint shares of the cores (:func:`thread_shares`:
+    ``rollout.threads``, default half; ``train.threads``, default the rest). Otherwise the
+    process runs one side at a time (``train.threads``), or generates in Ray actors."""
+    if cfg.runtime.mode != "local" or cfg.runtime.max_staleness == 0:
+        return cfg.train.threads, None
+    return thread_shares(torch.get_num_threads(), cfg.train.threads, cfg.rollout.threads)
 
 
 def _check_inputs(cfg: Config, config_dir: Path | None) -> _Inputs:
@@ -139,7 +153,7 @@ def _build_roles(cfg: Config, roles: Roles, inputs: _Inputs, model_dir: str, dat
 
 
 def _batch_source(cfg: Config, algorithm: Algorithm, data: RunData, roles: RunRoles,
-                  preference: PreferenceParts | None) -> BatchSource:
+                  preference: PreferenceParts | None, producer_threads: int | None) -> BatchSource:
     n = cfg.train.prompts_per_step
     if not algorithm.online:
         collate = preference.collate if preference is not None else partial(collate_sft, pad_id=data.pad_id)
@@ -149,7 +163,8 @@ def _batch_source(cfg: Config, algorithm: Algorithm, data: RunData, roles: RunRo
     collector = Collector(cfg, data, roles.generator, roles.scorer)
     experience = Experience(algorithm, cfg.algo, data.pad_id, roles)
     if cfg.runtime.max_staleness > 0:
-        return AheadOfLearner(collector, experience, max_staleness=cfg.runtime.max_staleness, prompts_per_step=n)
+        return AheadOfLearner(collector, experience, max_staleness=cfg.runtime.max_staleness, prompts_per_step=n,
+                              threads=producer_threads)
     return OnPolicy(collector, experience, n)
 
 

@@ -33,6 +33,16 @@ Rules:
   batch it makes loads the weights published at the checkpoint's step (the learner's,
   which the checkpoint holds) before generating, and evaluation loads them too.
 
+Threads. The producer and the learner each run torch's CPU arithmetic, and the two must
+not share one pool of intra-op threads: on two cores, two threads each, four threads
+would compete for two cores and both sides slow down (``docs/performance.md``). torch's
+intra-op count is per thread: ``torch.set_num_threads`` sets the calling thread's OpenMP
+count (and MKL's, which follows it), and a new thread takes the last count set anywhere
+only when its first parallelised ATen op runs (an MKL matmul before that uses OpenMP's
+process default). So the producer sets its own count (``threads``) before it generates,
+and :func:`thread_shares` splits the cores between the two (``rollout.threads``,
+``train.threads``).
+
 Metrics of each step: ``staleness/mean|max`` (from the loop), ``async/queue`` (batches
 waiting when the learner took one), ``async/dropped_stale`` (samples),
 ``async/learner_idle_frac`` (share of the step the learner waited for a batch) and
@@ -49,6 +59,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
+
+import torch
 
 from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.data.records import Prompt, Rollout
@@ -74,13 +86,18 @@ class AsyncRollouts:
     (refills included), ``collector.draw(n)`` draws prompts and
     ``collector.load_weights(version, tensors)`` loads the producer's generator. The
     sampler behind ``draw`` is touched only under this object's lock, or while
-    :meth:`paused`.
+    :meth:`paused`. ``threads``: torch intra-op threads of the producer thread (None:
+    whatever torch gives a new thread, see the module docstring).
     """
 
-    def __init__(self, *, max_staleness: int, prompts_per_step: int, collector: Collector, version: int = 0) -> None:
+    def __init__(self, *, max_staleness: int, prompts_per_step: int, collector: Collector, version: int = 0,
+                 threads: int | None = None) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for rollouts ahead of the learner, got {max_staleness}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"the rollout producer needs at least one torch thread, got threads={threads}")
         self.max_staleness = max_staleness
+        self.threads = threads
         self._n = prompts_per_step
         self._collector = collector
         self._lock = threading.Condition()
@@ -209,6 +226,8 @@ class AsyncRollouts:
 
     def _run(self) -> None:
         try:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)  # this thread's count only; the learner keeps its own
             while self._produce_one():
                 pass
         except BaseException as err:  # noqa: BLE001 - handed to the learner, which raises it
@@ -251,3 +270,22 @@ class AsyncRollouts:
         if self._error is not None:
             raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") \
                 from self._error
+
+
+def thread_shares(available: int, learner: int | None, producer: int | None) -> tuple[int, int]:
+    """Torch intra-op threads ``(learner, producer)`` when a producer thread generates in
+    the learner's process.
+
+    ``available``: the threads torch would use (``torch.get_num_threads()`` before any is
+    set: ``OMP_NUM_THREADS``, or the cores). ``producer`` (``rollout.threads``) defaults to
+    half of them, ``max(1, available // 2)``; ``learner`` (``train.threads``) to the rest,
+    ``max(1, available - producer)``. On 2 cores: one each. Either given is kept as given.
+    Disjoint shares because both sides are busy at once (generation overlaps learning);
+    the learner gets the odd core, since training's larger matrix products use more
+    threads better than decoding's few rows do.
+    """
+    if available < 1:
+        raise ValueError(f"thread_shares needs at least one available thread, got {available}")
+    producer = producer if producer is not None else max(1, available // 2)
+    learner = learner if learner is not None else max(1, available - producer)
+    return learner, producer

@@ -42,6 +42,7 @@ FREE_KEYS = (
     "eval.batch_size",
     "train.steps",  # extending a run; see _cosine_length for the exception
     "train.threads",  # speed and memory: the same sums, chunked differently
+    "rollout.threads",  # the same: the producer thread's share of the cores
     "train.micro_batch_tokens",
     "train.max_nonfinite_steps",  # when to give up on a failing run
     "train.max_reward_error_steps",

@@ -168,14 +168,15 @@ class AheadOfLearner:
     producer thread on its own copy of the weights (``docs/async.md``)."""
 
     def __init__(self, collector: Collector, experience: Experience, *, max_staleness: int,
-                 prompts_per_step: int) -> None:
+                 prompts_per_step: int, threads: int | None = None) -> None:
         self.roles = experience.roles
         if self.roles.shared_weights:
             raise ValueError("rollouts ahead of the learner need a generator with its own weights")
         self.experience = experience
         self.max_ahead = max_staleness
         self.producer = AsyncRollouts(max_staleness=max_staleness, prompts_per_step=prompts_per_step,
-                                      collector=collector, version=self.roles.learner.version)
+                                      collector=collector, version=self.roles.learner.version,
+                                      threads=threads)
 
     def next(self, clock: StepClock) -> StepBatch:
         prompts, rollouts, produced, waited = self.producer.take(self.roles.learner.version)

@@ -13,7 +13,7 @@ import pytest
 from rltune.checkpoint.rollouts import QueuedBatch
 from rltune.data.records import Prompt, Rollout
 from rltune.metrics.types import Sum
-from rltune.runtime.rollouts import AsyncRollouts
+from rltune.runtime.rollouts import AsyncRollouts, thread_shares
 
 
 class Fake:
@@ -182,3 +182,76 @@ def test_a_producer_failure_reaches_the_learner_with_its_cause() -> None:
 def test_zero_staleness_is_not_ahead() -> None:
     with pytest.raises(ValueError, match="max_staleness must be >= 1"):
         make(Fake(), 0)
+
+
+class CountsThreads(Fake):
+    """Records torch's intra-op thread count in the thread that generates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def collect(self, prompts, metrics, clock, *, draw=None):
+        import torch
+
+        self.threads.append(torch.get_num_threads())
+        return super().collect(prompts, metrics, clock, draw=draw)
+
+
+@pytest.mark.parametrize(("learner", "producer"), [(2, 1), (1, 2)])
+def test_the_producer_generates_with_the_threads_it_was_given(learner: int, producer: int) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(learner)
+    try:
+        fake = CountsThreads()
+        ahead = AsyncRollouts(max_staleness=1, prompts_per_step=2, collector=fake, threads=producer)
+        ahead.take(0)
+        ahead.take(1)
+        ahead.close()
+        # left alone, a new thread takes the count last set anywhere (the learner's here)
+        assert fake.threads and set(fake.threads) == {producer}, fake.threads
+        assert torch.get_num_threads() == learner  # the learner's own count is untouched
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_producer_refuses_zero_threads() -> None:
+    with pytest.raises(ValueError, match="threads=0"):
+        AsyncRollouts(max_staleness=1, prompts_per_step=2, collector=Fake(), threads=0)
+
+
+@pytest.mark.parametrize(("available", "learner", "producer", "expected"), [
+    (2, None, None, (1, 1)),   # 2 // 2 = 1 for the producer, 2 - 1 = 1 for the learner
+    (1, None, None, (1, 1)),   # one core: both still need a thread (max(1, 0) = 1)
+    (3, None, None, (2, 1)),   # 3 // 2 = 1; the learner takes the odd core, 3 - 1 = 2
+    (8, None, None, (4, 4)),
+    (8, None, 2, (6, 2)),      # rollout.threads given: the learner gets 8 - 2 = 6
+    (8, 3, None, (3, 4)),      # train.threads given: kept, the producer still gets 8 // 2
+    (8, 5, 5, (5, 5)),         # both given: kept as given, even past the cores
+])
+def test_thread_shares_split_the_cores(available, learner, producer, expected) -> None:
+    assert thread_shares(available, learner, producer) == expected
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], (None, None)),                                             # synchronous: torch's default
+    (["train.threads=3"], (3, None)),
+    (["runtime.max_staleness=1"], (1, 1)),                          # 2 available: one each
+    (["runtime.max_staleness=1", "rollout.threads=2"], (1, 2)),     # max(1, 2 - 2) = 1
+    (["runtime.max_staleness=1", "train.threads=2"], (2, 1)),
+])
+def test_a_local_run_ahead_of_the_learner_splits_the_threads(overrides, expected) -> None:
+    import torch
+
+    from rltune.config import load_config
+    from rltune.runtime.build import _thread_shares
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cfg = load_config(None, ["algo.importance_correction=token-truncate", *overrides])
+        assert _thread_shares(cfg) == expected
+    finally:
+        torch.set_num_threads(before)
