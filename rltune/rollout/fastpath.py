@@ -12,16 +12,28 @@ the matmuls: module-call wrappers, output records, config look-ups and mask buil
                 m = RMSNorm(h);  h = h + (silu(m Wg) ⊙ m Wu) Wd
     logits = RMSNorm(h) W_lm
 
-reading the parameter tensors straight from the model (so optimizer updates and
-``load_state_dict`` are seen without a copy), with one preallocated KV cache tensor per
-layer ``[R, kv_heads, P + max_new_tokens - 1, head_dim]`` written in place (the last
-sampled token is never fed back). Rows are left
+reading the parameter tensors from the model at each :meth:`LeanDecoder.prefill`, with
+one preallocated KV cache tensor per layer ``[R, kv_heads, P + max_new_tokens - 1,
+head_dim]`` written in place (the last sampled token is never fed back). Rows are left
 padded: padded key positions are masked, and positions count real tokens only
 (``cumsum(mask) - 1``), as the generator's HF path passes them.
 
 :func:`supports_fastpath` admits a model only when every feature of its config is one
 this file implements; anything else (rope scaling, sliding windows, other activations,
 adapters that replace the projection modules, registered hooks) goes through HF.
+
+Fused projections. Each prefill concatenates every layer's ``Wq, Wk, Wv`` (and biases)
+into one ``[(Hq + 2 Hkv) D, H]`` matrix and ``Wg, Wu`` into one ``[2 I, H]``, so a layer
+runs four matrix products instead of seven (the same dot products: each output is still
+one row of ``W`` times ``a``). On a CPU in float32 without autocast the four matrices are
+also reordered once into oneDNN's blocked layout for the decode's row count
+(``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing uses),
+which runs an 8-row product 1.4-2x faster than ``F.linear`` on the same weights
+(``docs/performance.md``); only the float32 summation order changes. They are rebuilt
+at every prefill, i.e. once per generate call, from the live parameters: in an RL loop
+the learner changes the weights between any two calls, and a cache keyed on tensor
+version counters would miss a fused AdamW step, which does not bump them (measured on
+torch 2.13). A weight changed between two steps of one generation is not seen.
 """
 
 from __future__ import annotations
@@ -99,6 +111,57 @@ def _plain_modules(model: PreTrainedModel) -> bool:
     return True
 
 
+class _Linear:
+    """``y = x Wᵀ + b`` on a weight fixed for one generation: plain, or reordered once into
+    oneDNN's blocked layout for ``rows`` rows (``pack``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, rows: int) -> None:
+        self.bias = bias
+        self.pack = pack
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if pack else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pack:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One layer's projections for one generation: ``qkv`` (``[Hq D | Hkv D | Hkv D]``
+    output columns), ``o``, ``gate_up`` (``[I | I]``) and ``down``."""
+
+    qkv: _Linear
+    split: tuple[int, int, int]
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+
+
+def _cat_bias(*pairs: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor | None:
+    biases = [b for _, b in pairs]
+    return None if biases[0] is None else torch.cat(biases)
+
+
+def _fuse(layer: "_Layer", *, pack: bool, rows: int) -> _Fused:
+    """``layer``'s live weights, concatenated (and packed when ``pack``)."""
+    qkv = torch.cat([layer.q[0], layer.k[0], layer.v[0]])
+    return _Fused(
+        qkv=_Linear(qkv, _cat_bias(layer.q, layer.k, layer.v), pack=pack, rows=rows),
+        split=(layer.q[0].shape[0], layer.k[0].shape[0], layer.v[0].shape[0]),
+        o=_Linear(*layer.o, pack=pack, rows=rows),
+        gate_up=_Linear(torch.cat([layer.gate, layer.up]), None, pack=pack, rows=rows),
+        down=_Linear(layer.down, None, pack=pack, rows=rows),
+    )
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether the oneDNN packed product applies: a float32 CPU weight, oneDNN built in,
+    and no CPU autocast (which would otherwise run the products in its own dtype)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and not torch.is_autocast_enabled("cpu"))
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's parameter tensors (the model's own, not copies)."""
@@ -152,9 +215,12 @@ class LeanDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, *, max_new_tokens: int,
-                 compiled: "CompiledStep | None" = None) -> None:
+                 compiled: "CompiledStep | None" = None, pack: bool | None = None) -> None:
         """``compiled``: take the steps with that compiled step over its static cache
-        (``rollout.compile``, :mod:`rltune.rollout.compiled`) instead of eagerly."""
+        (``rollout.compile``, :mod:`rltune.rollout.compiled`) instead of eagerly.
+        ``pack``: run the fused projections on oneDNN-packed weights (see the module
+        docstring); None: where :func:`can_pack` allows; True where it does not is an
+        error."""
         if not supports_fastpath(model):
             raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
         if max_new_tokens < 1:
@@ -171,6 +237,13 @@ class LeanDecoder:
         self.groups = attn.num_key_value_groups
         self.scale = attn.scaling
         self.compiled = compiled
+        if pack and not can_pack(self.embed):
+            raise ValueError("LeanDecoder(pack=True) needs float32 weights on the CPU, oneDNN "
+                             f"and no CPU autocast; got {self.embed.dtype} on {self.embed.device}, "
+                             f"oneDNN {torch.backends.mkldnn.is_available()}, "
+                             f"autocast {torch.is_autocast_enabled('cpu')}")
+        self.pack = pack
+        self.fused: list[_Fused] = []
         self._t = 0
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
@@ -178,7 +251,7 @@ class LeanDecoder:
         ``[U repeats, V]``. With ``repeats > 1`` each prompt runs once and its cache is
         copied to ``repeats`` adjacent rows (the ``n`` samples of a prompt share it), which
         saves ``1 - 1/repeats`` of the prefill's compute."""
-        logits = self._prefill(ids, mask)
+        logits = self._prefill(ids, mask, repeats)
         if repeats > 1:
             self.keys = [k.repeat_interleave(repeats, 0) for k in self.keys]
             self.values = [v.repeat_interleave(repeats, 0) for v in self.values]
@@ -189,10 +262,14 @@ class LeanDecoder:
             self.compiled.begin(self)
         return logits
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int) -> torch.Tensor:
         rows, width = ids.shape
         steps = self.max_new_tokens - 1
         total = width + steps
+        # this generation's weights: the live parameters, fused (the compiled step reads
+        # the parameters itself)
+        pack = (self.pack if self.pack is not None else can_pack(self.embed)) and self.compiled is None
+        self.fused = [_fuse(layer, pack=pack, rows=rows * repeats) for layer in self.layers]
         x = F.embedding(ids, self.embed)
         kv_heads = self.layers[0].k[0].shape[0] // self.head_dim
         shape = (rows, kv_heads, total, self.head_dim)
@@ -232,23 +309,23 @@ class LeanDecoder:
     def _forward(self, h: torch.Tensor, attend: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Positions ``start:end`` through every layer; ``attend [R, 1, T|1, end]`` bool."""
         cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
+        for layer, fused, keys, values in zip(self.layers, self.fused, self.keys, self.values):
             a = rms_norm(h, layer.norm1, layer.eps1)
-            h = h + self._attention(a, layer, keys, values, cos, sin, attend, start, end)
+            h = h + self._attention(a, fused, keys, values, cos, sin, attend, start, end)
             m = rms_norm(h, layer.norm2, layer.eps2)
-            h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
+            gate, up = fused.gate_up(m).chunk(2, dim=-1)
+            h = h + fused.down(F.silu(gate) * up)
         return h
 
     def _attention(
-        self, a: torch.Tensor, layer: _Layer, keys: torch.Tensor, values: torch.Tensor,
+        self, a: torch.Tensor, fused: _Fused, keys: torch.Tensor, values: torch.Tensor,
         cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, start: int, end: int,
     ) -> torch.Tensor:
         """Grouped-query attention of ``a [R, T, H]`` over cache slots ``0:end``, after
         writing this call's keys and values into slots ``start:end``."""
         rows, length, _ = a.shape
-        q = F.linear(a, *layer.q).view(rows, length, -1, self.head_dim).transpose(1, 2)
-        k = F.linear(a, *layer.k).view(rows, length, -1, self.head_dim).transpose(1, 2)
-        v = F.linear(a, *layer.v).view(rows, length, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (part.view(rows, length, -1, self.head_dim).transpose(1, 2)
+                   for part in fused.qkv(a).split(fused.split, dim=-1))
         keys[:, :, start:end] = rotate(k, cos, sin)
         values[:, :, start:end] = v
         q = rotate(q, cos, sin)
@@ -266,4 +343,4 @@ class LeanDecoder:
                 q, k_all, v_all, attn_mask=attend, scale=self.scale, enable_gqa=self.groups > 1,
             )
             out = out.transpose(1, 2).reshape(rows, length, -1)
-        return F.linear(out, *layer.o)
+        return fused.o(out)

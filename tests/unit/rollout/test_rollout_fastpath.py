@@ -59,14 +59,26 @@ def hf_last_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
 
 
+PACK = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="oneDNN not built in"))]
+
+
+@pytest.mark.parametrize("pack", PACK, ids=lambda p: "packed" if p else "plain")
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_prefill_and_steps_equal_the_hf_forward(arch: str) -> None:
+def test_prefill_and_steps_equal_the_hf_forward(arch: str, pack: bool) -> None:
+    """The lean decoder's fused projections (q/k/v in one product, gate/up in one; oneDNN
+    packed or plain) against HF's separate ones. Tolerance 1e-5 absolute: the same dot
+    products of at most 48 float32 terms, summed in another order (by the kernel's
+    blocking, and oneDNN's layout when packed): each differs by a few ulps of its terms'
+    magnitude (~1e-7 here), and two layers and the head carry that to the O(1) logits
+    as ~1e-6 (measured: 0 plain, <= 1e-6 packed); a misplaced column of a fused matrix
+    moves them by ~0.1."""
     model = build(CONFIGS[arch]())
     assert supports_fastpath(model)
     ids, mask = padded_batch(seed=1)
     new = torch.randint(4, 64, (3, STEPS), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        decoder = LeanDecoder(model, max_new_tokens=STEPS + 1)
+        decoder = LeanDecoder(model, max_new_tokens=STEPS + 1, pack=pack)
         got = [decoder.prefill(ids, mask)] + [decoder.step(new[:, t]) for t in range(STEPS)]
         full_ids = torch.cat([ids, new], dim=1)
         full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
@@ -77,7 +89,8 @@ def test_prefill_and_steps_equal_the_hf_forward(arch: str) -> None:
 
 
 def test_decoder_reads_the_live_parameters() -> None:
-    """An in-place weight update (what the optimizer does) is seen without rebuilding."""
+    """An in-place weight update (what the optimizer does) made after the decoder is built
+    is seen: its prefill reads the parameters."""
     model = build(CONFIGS["qwen2"]())
     ids, mask = padded_batch(seed=3)
     with torch.inference_mode():
@@ -85,6 +98,33 @@ def test_decoder_reads_the_live_parameters() -> None:
         model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
         got = decoder.prefill(ids, mask)
         torch.testing.assert_close(got, hf_last_logits(model, ids, mask), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pack", PACK, ids=lambda p: "packed" if p else "plain")
+def test_an_optimizer_step_between_generations_is_seen(pack: bool) -> None:
+    """The fused weights are rebuilt at every prefill: after a fused AdamW step (which does
+    not bump the parameters' version counters) the next generation runs the new weights.
+    Tolerance 1e-5 as in the HF comparison above."""
+    model = build(CONFIGS["qwen2"]())
+    ids, mask = padded_batch(seed=8)
+    decoder = LeanDecoder(model, max_new_tokens=1, pack=pack)
+    with torch.inference_mode():
+        before = decoder.prefill(ids, mask)
+    model.train()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits[:, -1].logsumexp(-1).sum().backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
+    model.eval()
+    with torch.inference_mode():
+        after = decoder.prefill(ids, mask)
+        torch.testing.assert_close(after, hf_last_logits(model, ids, mask), atol=1e-5, rtol=0)
+    assert (after - before).abs().max() > 1e-2  # the step moved the logits
+
+
+def test_packing_is_refused_where_it_does_not_apply() -> None:
+    model = build(CONFIGS["llama"]()).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"pack=True\) needs float32"):
+        LeanDecoder(model, max_new_tokens=2, pack=True)
 
 
 def test_step_past_the_size_is_an_error() -> None:
