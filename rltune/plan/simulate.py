@@ -3,29 +3,29 @@ completions of varying length, a learner group that trains a step once its batch
 complete, a weight sync after every step, and the staleness bound ``max_staleness`` k.
 
 The closed-form step time of ``rltune.plan.timing`` takes every completion at its maximum
-length and overlaps generation with learning as ``max(generate, learn + sync)``; what it
+length and overlaps generation with learning as ``max(generate, learn) + sync``; what it
 cannot see is the variance: a static batch lasts as long as its longest completion, the
 replicas of one step wait for the slowest, and the bound k decides how far generation may
 run ahead to hide that. This simulation plays the pipeline out, sample by sample.
 
 The model (every time is an input, so the simulation is testable on its own;
-:func:`simulate_layout` fills them from the cost model):
+``rltune.plan.simulate_layout`` fills them from the cost model):
 
 - ``generators`` replicas, each holding at most ``slots`` sequences at once. A decode step
   of a replica with ``b`` sequences in flight takes the roofline's
   ``max(per_step_s + per_sequence_s * b, compute_per_sequence_s * b)`` seconds (bound by
   memory: reading the weights once and each sequence's KV cache; or by compute: each
   sequence's FLOPs) and advances every one of them by a token; a sequence leaves when it
-  reaches its length.
-  Admitting ``n`` sequences stalls the replica ``prefill_s * n`` seconds.
+  reaches its length. Admitting ``n`` sequences stalls the replica ``prefill_s * n``.
 - ``continuous=False`` (how rltune's generators run): batch j of ``batch`` samples is cut
   into contiguous shares, one per replica; each replica generates its share in waves of
   ``slots`` sequences, a wave lasting as long as its longest completion, and the producer
   starts batch j + 1 only when every replica has finished batch j.
-- ``continuous=True`` (vLLM's continuous batching behind a least-loaded router): released
-  samples wait in one queue; a freed slot takes the next one at once, from any batch the
-  bound allows. A batch is still learned whole: the learner takes samples by batch, in
-  the order they were released (the first B completed would favour short completions).
+- ``continuous=True`` (vLLM's continuous batching behind a router): released samples
+  wait in one queue, dealt one at a time to each replica with room in turn; a freed slot
+  takes the next one at once, from any batch the bound allows. A batch is still learned
+  whole: the learner takes samples by batch, in the order they were released (taking the
+  first B completed would favour short completions).
 - The learner takes batch j once all its samples are complete and it has finished step
   j - 1, learns for ``learn_s``, then syncs the weights for ``sync_s``; version j + 1 is
   available to the generators at the end of the sync. A replica takes the newest version
@@ -45,9 +45,9 @@ version), ``learner/generation`` (the learner waiting for its batch); each is a 
 that role's device-time.
 
 The event queue is the standard library's ``heapq``: the pipeline has four kinds of
-event (a replica's next completion, a learner step's end, a sync's end, a release) and no
-resources to contend for but the ones modelled here, so a DES library (SimPy) would add a
-dependency without removing code. Between two events every replica decodes at a fixed
+event (a replica's next completion, a batch complete, a learner step started, a sync's
+end) and no resources to contend for but the ones modelled here, so a DES library (SimPy)
+would add a dependency without removing code. Between two events every replica decodes at a fixed
 rate, so it is a fluid of decode steps rather than one event per token: thousands of
 samples per step at 1,024 GPUs run in seconds. Seeded and deterministic.
 
@@ -377,8 +377,8 @@ class _Sim:
             self._refill(i, now)
 
     def _dispatch(self, now: float) -> None:
-        """Deal the queue out one sample at a time to the replicas with room (least loaded
-        first, in effect), then admit each replica's deal at once."""
+        """Deal the queue out one sample to each replica with room in turn (so that equally
+        loaded replicas stay equal), then admit each replica's deal at once."""
         deal: dict[int, list[int]] = {}
         room = {i: self.p.slots - r.active for i, r in enumerate(self.reps) if r.active < self.p.slots}
         while self.queue and room:
