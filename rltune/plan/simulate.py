@@ -17,19 +17,26 @@ The model (every time is an input, so the simulation is testable on its own;
   memory: reading the weights once and each sequence's KV cache; or by compute: each
   sequence's FLOPs) and advances every one of them by a token; a sequence leaves when it
   reaches its length. Admitting ``n`` sequences stalls the replica ``prefill_s * n``.
-- ``continuous=False`` (how rltune's generators run): batch j of ``batch`` samples is cut
-  into contiguous shares, one per replica; each replica generates its share in waves of
-  ``slots`` sequences, a wave lasting as long as its longest completion, and the producer
-  starts batch j + 1 only when every replica has finished batch j.
-- ``continuous=True`` (vLLM's continuous batching behind a router): released samples
-  wait in one queue, dealt one at a time to each replica with room in turn; a freed slot
-  takes the next one at once, from any batch the bound allows. A batch is still learned
-  whole: the learner takes samples by batch, in the order they were released (taking the
-  first B completed would favour short completions).
+- ``batching`` says how a replica fills its slots. rltune's generators (``"static"`` and
+  ``"refill"``) take batch j of ``batch`` samples cut into contiguous shares, one per
+  replica, and the producer starts batch j + 1 only when every replica has finished
+  batch j (``rltune/runtime/ray/rollouts.py``: one call per step, joined):
+
+  - ``"static"`` (the ``hf`` engine, one padded batch): a replica generates its share in
+    waves of ``slots`` sequences, a wave lasting as long as its longest completion;
+  - ``"refill"`` (the ``vllm`` engine: the share is one ``LLM.generate`` call, continuous
+    batching inside it): a freed slot takes the next sample of the replica's share.
+
+  ``"continuous"`` (an asynchronous system streaming samples, as AReaL and PipelineRL
+  do): released samples wait in one queue, dealt one at a time to each replica with room
+  in turn; a freed slot takes the next one at once, from any batch the bound allows, and
+  there is no barrier. A batch is still learned whole: the learner takes samples by
+  batch, in the order they were released (taking the first B completed would favour
+  short completions).
 - The learner takes batch j once all its samples are complete and it has finished step
   j - 1, learns for ``learn_s``, then syncs the weights for ``sync_s``; version j + 1 is
   available to the generators at the end of the sync. A replica takes the newest version
-  when it starts a batch (static) or a sample (continuous); when that version is newer
+  when it starts a batch (static, refill) or a sample (continuous); when that version is newer
   than the one it holds it stalls ``load_s`` (its side of the transfer), less the time it
   sat idle during that version's sync (the transfer reached it then). With ``load_s`` =
   ``sync_s`` a synchronous step is ``generate + learn + sync`` and one generated ahead
@@ -63,11 +70,12 @@ import random
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rltune.plan.errors import PlanError
 
 _EPS = 1e-9
+BATCHING = ("static", "refill", "continuous")
 
 
 class Lengths(Protocol):
@@ -120,13 +128,17 @@ class Pipeline:
     sync_s: float
     max_staleness: int
     lengths: Lengths
-    continuous: bool = False
+    batching: Literal["static", "refill", "continuous"] = "static"
     prefill_s: float = 0.0
     """Stall of a replica per sequence admitted."""
     compute_per_sequence_s: float = 0.0
     """Compute-bound seconds per sequence of a decode step (0: always memory-bound)."""
     load_s: float = 0.0
     """Stall of a replica taking a newer version of the weights."""
+
+    @property
+    def continuous(self) -> bool:
+        return self.batching == "continuous"
 
     def check(self) -> None:
         """Raise :class:`PlanError` naming the first nonsensical field."""
@@ -140,6 +152,8 @@ class Pipeline:
         if self.per_step_s + self.per_sequence_s + self.compute_per_sequence_s <= 0:
             raise PlanError("simulate: a decode step takes no time (per_step_s, per_sequence_s and "
                             "compute_per_sequence_s are all 0)")
+        if self.batching not in BATCHING:
+            raise PlanError(f"simulate: batching={self.batching!r}, expected one of {', '.join(BATCHING)}")
         if self.max_staleness < 0:
             raise PlanError(f"simulate: max_staleness={self.max_staleness} must not be negative")
 
@@ -317,8 +331,8 @@ class _Sim:
         r = self.reps[i]
         if self.p.continuous:
             take = [self.queue.popleft() for _ in range(min(self.p.slots - r.active, len(self.queue)))]
-        elif not r.active:
-            take = [r.share.popleft() for _ in range(min(self.p.slots, len(r.share)))]
+        elif self.p.batching == "refill" or not r.active:
+            take = [r.share.popleft() for _ in range(min(self.p.slots - r.active, len(r.share)))]
         else:
             take = []
         if take:

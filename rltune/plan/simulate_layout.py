@@ -61,7 +61,7 @@ def mean_length(lengths: Lengths, seed: int = 0, n: int = 20_000) -> float:
 
 
 def pipeline_for(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency,
-                 lengths: Lengths, *, continuous: bool = False) -> Pipeline:
+                 lengths: Lengths, *, batching: str = "static") -> Pipeline:
     """The simulation's inputs for ``cand`` from ``rltune.plan.timing``: a decode step's
     roofline (the weights ``decode_weight_bytes / tp`` and TP all-reduces per step; the KV
     cache of a token at the mean context ``P + E[L]/2`` per sequence at ``hbm x
@@ -92,12 +92,12 @@ def pipeline_for(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Clus
         compute_per_sequence_s=catalogue.forward_flops_per_token(spec, context)
         / (timing.peak_flops(cluster, prec) * eff.decode_mfu * tp),
         prefill_s=prompt_s / work.group_size, learn_s=t.learn, sync_s=t.weight_sync, load_s=t.weight_sync,
-        max_staleness=cand.max_staleness, lengths=lengths, continuous=continuous)
+        max_staleness=cand.max_staleness, lengths=lengths, batching=batching)  # type: ignore[arg-type]
 
 
 def simulate_layout(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, gpus: int,
                     generator_share: float, staleness: int, *, lengths: Lengths | None = None,
-                    generator_tp: int = 1, continuous: bool = False, steps: int = 24, warmup: int = 4,
+                    generator_tp: int = 1, batching: str = "static", steps: int = 24, warmup: int = 4,
                     seed: int = 0, **candidate: object) -> LayoutSimulation:
     """Simulate ``generator_share`` of ``gpus`` devices generating and the rest learning
     (:func:`split_devices`), generating ``staleness`` steps ahead. ``lengths`` defaults to
@@ -108,7 +108,7 @@ def simulate_layout(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Effi
     cand = Candidate(learner=learner, generator_tp=generator_tp, generator_replicas=replicas,
                      max_staleness=staleness, **candidate)  # type: ignore[arg-type]
     lengths = lengths or LognormalLengths(work.completion_tokens / 8, 0.99, work.completion_tokens)
-    pipe = pipeline_for(spec, work, cand, replace(cluster, gpus=gpus), eff, lengths, continuous=continuous)
+    pipe = pipeline_for(spec, work, cand, replace(cluster, gpus=gpus), eff, lengths, batching=batching)
     need = learner_memory(spec, work, cand, replace(cluster, gpus=gpus)).total / 1e9
     problems = (f"learner needs {need:.1f} GB per device at dp_shard={learner.dp_shard} "
                 f"dp_replicate={learner.dp_replicate}, has {cluster.memory_gb:g}",) if need > cluster.memory_gb else ()

@@ -75,7 +75,7 @@ def test_continuous_batching_refills_a_slot_when_a_completion_ends():
     # continuous: each slot decodes 1 token a second and a sample takes 2 tokens on average,
     # so 2 slots give 1 sample/s (batch j completes at 2j + 3: slot A runs s0 [0,1] s2 [1,2]
     # s3 [2,5], slot B s1 [0,3] s4 [3,4] s5 [4,7], ...)
-    r = simulate(dataclasses.replace(p, continuous=True), steps=12, warmup=4)
+    r = simulate(dataclasses.replace(p, batching="continuous"), steps=12, warmup=4)
     assert r.samples_per_s == pytest.approx(1.0, rel=1e-12)
     assert r.generator_slot_use == pytest.approx(1.0, rel=1e-12)
 
@@ -92,6 +92,18 @@ def test_replicas_of_a_static_batch_wait_for_the_slowest():
     assert r.idle["generator/staleness"] == pytest.approx(2 / 8, rel=1e-12)
 
 
+def test_refilling_within_a_share_ends_a_batch_with_its_longest_sample():
+    # one replica, 2 slots, batches of 4 with completions 1, 3, 1, 1 at 1 s a token, the
+    # bound never holding, learning free. Static waves: (1, 3) then (1, 1): 3 + 1 = 4 s a
+    # batch. Refill: s0 [0,1] s1 [0,3] s2 [1,2] s3 [2,3]: 3 s a batch. Continuous keeps both
+    # slots full across batches: 2 tokens/s at 6 / 4 tokens a sample: 4 / 3 samples/s too.
+    p = alternating(50, batch=4, lengths=CycleLengths((1, 3, 1, 1)), learn_s=0.0)
+    assert simulate(p, steps=10, warmup=2).samples_per_s == pytest.approx(4 / 4, rel=1e-12)
+    for batching in ("refill", "continuous"):
+        r = simulate(dataclasses.replace(p, batching=batching), steps=10, warmup=2)
+        assert r.samples_per_s == pytest.approx(4 / 3, rel=1e-12)
+
+
 def test_a_replica_does_not_start_the_next_batch_before_the_others_finish():
     # two replicas; replica 0's completions are 1, 3, 1, 3 ... tokens, replica 1's 3, 1, 3,
     # 1 ...; learning free, the bound never holding. Each batch waits for its 3-token
@@ -102,9 +114,12 @@ def test_a_replica_does_not_start_the_next_batch_before_the_others_finish():
     assert r.samples_per_s == pytest.approx(2 / 3, rel=1e-12)
     assert r.idle["generator/barrier"] == pytest.approx(1 / 3, rel=1e-12)
     assert r.idle["generator/staleness"] == 0.0
+    # refilling within a share of one sample changes nothing
+    assert simulate(dataclasses.replace(p, batching="refill"), steps=12, warmup=4).samples_per_s == \
+        pytest.approx(2 / 3, rel=1e-12)
     # continuous batching has neither barrier nor waves: all 4 slots (2 a replica) stay
     # full, decoding 1 token/s each, at 2 tokens a sample on average: 2 samples/s
-    r = simulate(dataclasses.replace(p, continuous=True), steps=12, warmup=4)
+    r = simulate(dataclasses.replace(p, batching="continuous"), steps=12, warmup=4)
     assert r.samples_per_s == pytest.approx(2.0, rel=1e-12)
     assert r.generator_slot_use == pytest.approx(1.0, rel=1e-12)
 
@@ -124,11 +139,11 @@ def test_slots_cut_a_static_share_into_waves():
     assert r.samples_per_s == pytest.approx(4 / 5.0, rel=1e-12)
 
 
-@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("batching", ["static", "refill", "continuous"])
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
-def test_the_staleness_bound_holds_on_every_learned_batch(k, continuous):
+def test_the_staleness_bound_holds_on_every_learned_batch(k, batching):
     p = Pipeline(batch=64, generators=3, slots=16, per_step_s=0.01, per_sequence_s=1e-4,
-                 learn_s=5.0, sync_s=0.5, max_staleness=k, continuous=continuous,
+                 learn_s=5.0, sync_s=0.5, max_staleness=k, batching=batching,
                  lengths=LognormalLengths(median=200, sigma=0.99, max_tokens=2048))
     r = simulate(p, steps=16, warmup=2, seed=3)
     assert len(r.steps) == 16
@@ -140,7 +155,7 @@ def test_the_staleness_bound_holds_on_every_learned_batch(k, continuous):
 
 def test_a_seed_fixes_the_run_and_another_seed_changes_it():
     p = Pipeline(batch=32, generators=2, slots=8, per_step_s=0.01, per_sequence_s=1e-4,
-                 learn_s=1.0, sync_s=0.1, max_staleness=1, continuous=True,
+                 learn_s=1.0, sync_s=0.1, max_staleness=1, batching="continuous",
                  lengths=LognormalLengths(median=200, sigma=0.99, max_tokens=2048))
     a, b, c = simulate(p, seed=7), simulate(p, seed=7), simulate(p, seed=8)
     assert a == b and a.steps == b.steps
@@ -163,6 +178,7 @@ def test_lognormal_lengths_are_clipped_to_the_limit():
     ("batch", 0, "batch=0 must be at least 1"),
     ("learn_s", -1.0, "learn_s=-1.0 must not be negative"),
     ("max_staleness", -1, "max_staleness=-1"),
+    ("batching", "dynamic", "batching='dynamic', expected one of static, refill, continuous"),
     ("per_step_s", 0.0, None),
 ])
 def test_bad_pipelines_are_refused_with_the_field_named(field, value, says):

@@ -82,7 +82,7 @@ def test_generating_ahead_and_continuous_batching_raise_throughput_at_scale():
     cluster = Cluster(gpus=64)
     base = simulate_layout(QWEN, WORK, cluster, Efficiency(), 64, 0.5, 0, **kw)
     ahead = simulate_layout(QWEN, WORK, cluster, Efficiency(), 64, 0.5, 2, **kw)
-    cont = simulate_layout(QWEN, WORK, cluster, Efficiency(), 64, 0.5, 2, continuous=True, **kw)
+    cont = simulate_layout(QWEN, WORK, cluster, Efficiency(), 64, 0.5, 2, batching="continuous", **kw)
     assert base.problems == ()
     assert base.result.samples_per_s < ahead.result.samples_per_s <= cont.result.samples_per_s
     assert cont.result.staleness_max <= 2
