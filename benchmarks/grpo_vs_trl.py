@@ -18,6 +18,15 @@ Sides, each in a fresh process, interleaved round by round (see ``trl_common``):
 - ``rltune``: ``algo.name=grpo`` with the same settings.
 - ``trl-plain``: ``trl_plain_grpo.py``, the same TRL run written plainly, no rltune import
   and TRL's own ``train_samples_per_second``: it shows the harness runs TRL at its speed.
+- ``rltune-async`` (only with ``--async-row``): rltune with generation one step ahead of
+  the learner (``runtime.max_staleness=1``, ``algo.importance_correction=token-truncate``):
+  a producer thread generates batch ``s + 1`` while the learner learns batch ``s``, each on
+  its own share of the cores (``rollout.threads``). This is not TRL's algorithm (the
+  samples are one policy version old, corrected by importance weights), so it is printed as
+  its own row and ratio; ``rltune`` remains the synchronous comparison. Its two threads
+  split the cores the other sides use whole (``threads 1+1`` on 2 cores); with
+  ``--threads N`` each of them runs N threads, 2N in all, so compare it at the default
+  thread count, where every side has the whole machine.
 
 Speed is completions per second at the median step time after ``--warmup`` steps, the
 median over ``--repeats`` rounds. Learning per sample is the mean training reward over
@@ -26,6 +35,7 @@ the last quarter of the steps (the same number of completions on every side).
     python benchmarks/grpo_vs_trl.py                       # 3 M model, 3 rounds
     python benchmarks/grpo_vs_trl.py --model 25m --steps 24
     python benchmarks/grpo_vs_trl.py --only rltune         # rltune's side alone, once
+    python benchmarks/grpo_vs_trl.py --async-row           # and rltune-async after rltune
 
 TRL is the ``bench`` extra (``pip install 'rltune[bench]'``). Two defaults of TRL's that
 differ from the shared settings are set explicitly on its side: ``bf16`` (TRL turns it on
@@ -50,10 +60,15 @@ import trl_common as common  # noqa: E402
 GROUP = 8
 NEW_TOKENS = 32
 SIDES = ("trl", "rltune", "trl-plain")
+ASYNC_SIDE = "rltune-async"
+ASYNC_SETS = ("runtime.max_staleness=1", "algo.importance_correction=token-truncate")
+"""The ``rltune-async`` side's overrides: generation one step ahead, and the importance
+correction rltune requires for samples of an older policy."""
 
 
-def run_rltune(args: argparse.Namespace, work: Path) -> dict:
-    """rltune's GRPO in this process; step times and rewards from its history."""
+def run_rltune(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = ()) -> dict:
+    """rltune's GRPO in this process; step times and rewards from its history.
+    ``extra``: config overrides of this side (before ``--rltune-set``'s)."""
     from rltune.config import load_config
     from rltune.runtime.local import build_run
     from rltune.runtime.loop import train
@@ -65,11 +80,14 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
         f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
         f"train.steps={args.steps}", "train.prompts_per_step=1", f"train.lr={args.lr}",
         f"log.dir={work}", f"train.seed={args.seed}", "log.console=false",
-        "checkpoint.final=false", *args.rltune_set,
+        "checkpoint.final=false", *extra, *args.rltune_set,
     ])
-    history = train(build_run(cfg))
+    run = build_run(cfg)
+    history = train(run)
+    producer = getattr(run.source, "producer", None)  # rollouts ahead of the learner
     return {"step_times": [m["time/step"] for m in history],
-            "rewards": [m["reward/mean"] for m in history]}
+            "rewards": [m["reward/mean"] for m in history],
+            "producer_threads": producer.threads if producer is not None else None}
 
 
 def run_trl(args: argparse.Namespace, work: Path) -> dict:
@@ -119,10 +137,15 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 def child(args: argparse.Namespace) -> None:
     """Run one side; print its figures as JSON on the last line."""
     with tempfile.TemporaryDirectory() as work:
-        out = {"rltune": run_rltune, "trl": run_trl}[args.child](args, Path(work))
+        if args.child == "trl":
+            out = run_trl(args, Path(work))
+        else:
+            out = run_rltune(args, Path(work), ASYNC_SETS if args.child == ASYNC_SIDE else ())
     import torch
 
-    out["threads"] = torch.get_num_threads()  # what the side ran with, after its own setup
+    # what the side ran with, after its own setup; "learner+producer" with a producer thread
+    producer = out.pop("producer_threads", None)
+    out["threads"] = torch.get_num_threads() if producer is None else f"{torch.get_num_threads()}+{producer}"
     times = out["step_times"][args.warmup:]
     tail = out["rewards"][-max(1, len(out["rewards"]) // 4):]
     out.update(impl=args.child, unit="completions/s", rate=GROUP / statistics.median(times),
@@ -145,6 +168,14 @@ def side_argv(side: str, args: argparse.Namespace, seed: int) -> list[str]:
             *[f"--rltune-set={s}" for s in args.rltune_set]]
 
 
+def sides_of(async_row: bool) -> list[str]:
+    """The sides of one round, in order; ``rltune-async`` right after ``rltune``."""
+    sides = list(SIDES)
+    if async_row:
+        sides.insert(sides.index("rltune") + 1, ASYNC_SIDE)
+    return sides
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(common.SIZES), default="3m")
@@ -163,8 +194,11 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rltune-set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one rltune config key on the rltune side (not on "
                              "trl-plain), e.g. algo.aggregation=seq-mean-token-mean")
-    parser.add_argument("--only", choices=SIDES, help="run one side, --repeats times")
-    parser.add_argument("--child", choices=("rltune", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--async-row", action="store_true",
+                        help=f"also run {ASYNC_SIDE}: rltune with generation one step ahead "
+                             f"({', '.join(ASYNC_SETS)}), interleaved after rltune")
+    parser.add_argument("--only", choices=(*SIDES, ASYNC_SIDE), help="run one side, --repeats times")
+    parser.add_argument("--child", choices=("rltune", "trl", ASYNC_SIDE), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
@@ -184,7 +218,7 @@ def main() -> None:
         args.model_dir = common.prepare(Path(tmp), args.model, files)
         args.prompts = Path(tmp) / "prompts.jsonl"
         env = common.child_env(args.threads)
-        sides = [args.only] if args.only else list(SIDES)
+        sides = [args.only] if args.only else sides_of(args.async_row)
         results = common.interleave(
             sides, args.repeats, lambda s, seed: common.run_child(side_argv(s, args, seed), env, s))
     common.report(results, unit="completions/s", quality="reward, last quarter", target=2.0)

@@ -175,11 +175,25 @@ def interleave(sides: Sequence[str], repeats: int,
         for side in sides:
             res = run(side, r)
             results[side].append(res)
-            print(f"  round {r + 1}/{repeats} {side:>9}: {res['rate']:7.2f} {res['unit']}"
+            print(f"  round {r + 1}/{repeats} {side:>12}: {res['rate']:7.2f} {res['unit']}"
                   f"  quality {res['quality']:.3f}  peak RSS {res['peak_rss_mb']:6.0f} MB"
                   f"  threads {res.get('threads', '-')}",
                   flush=True)
     return results
+
+
+SIDE_NOTES = {
+    "rltune-async": "generation one step ahead of the learner, importance-corrected: "
+                    "not TRL's synchronous algorithm",
+}
+"""What an extra rltune row changes, printed beside its ratio."""
+
+
+def side_note(side: str) -> str:
+    """The note printed beside an extra rltune row's ratio (``SIDE_NOTES``)."""
+    if side not in SIDE_NOTES:
+        raise KeyError(f"no note for the benchmark side {side!r}; add it to trl_common.SIDE_NOTES")
+    return SIDE_NOTES[side]
 
 
 def median_of(results: list[dict[str, Any]], key: str) -> float:
@@ -191,10 +205,10 @@ def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
            target: float) -> None:
     """Print each side's medians, the speed ratio, and whether rltune reaches ``target``
     times TRL's speed and at least TRL's learning (``quality``) for the same samples."""
-    print(f"\n{'side':>9} {unit:>14} {'(runs)':>22} {quality:>26} {'peak RSS MB':>12}")
+    print(f"\n{'side':>12} {unit:>14} {'(runs)':>22} {quality:>26} {'peak RSS MB':>12}")
     for side, res in results.items():
         runs = ", ".join(f"{r['rate']:.1f}" for r in res)
-        print(f"{side:>9} {median_of(res, 'rate'):14.2f} {runs:>22} "
+        print(f"{side:>12} {median_of(res, 'rate'):14.2f} {runs:>22} "
               f"{median_of(res, 'quality'):26.3f} {median_of(res, 'peak_rss_mb'):12.0f}")
     if "trl" in results and "trl-plain" in results and "trl_own_rate" in results["trl"][0]:
         own = median_of(results["trl"], "trl_own_rate")
@@ -208,6 +222,10 @@ def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
               f"{'met' if ratio >= target else 'NOT met'})")
         print(f"{quality} after the same samples: rltune {ours:.3f}, TRL {theirs:.3f} "
               f"(rltune at least equal: {'yes' if ours >= theirs else 'NO'})")
+    for side in (s for s in results if s.startswith("rltune-") and "trl" in results):
+        ratio = median_of(results[side], "rate") / median_of(results["trl"], "rate")
+        print(f"{side} / TRL speed: {ratio:.2f}x, {quality} {median_of(results[side], 'quality'):.3f} "
+              f"({side_note(side)}; the synchronous, same-algorithm ratio is rltune's above)")
 
 
 def pair_accuracy(policy: Any, model_dir: Path, pairs: Sequence[dict[str, str]]) -> float:

@@ -72,3 +72,30 @@ def test_run_child_reports_each_child_its_own_peak_rss() -> None:
     # the 300 MiB buffer is touched page by page, so it is resident; an interpreter alone
     # stays far below 100 MB
     assert big > 300 and small < 100, (big, small)
+
+
+def test_the_async_row_runs_right_after_rltune() -> None:
+    import grpo_vs_trl
+
+    assert grpo_vs_trl.sides_of(False) == ["trl", "rltune", "trl-plain"]
+    assert grpo_vs_trl.sides_of(True) == ["trl", "rltune", "rltune-async", "trl-plain"]
+    assert grpo_vs_trl.ASYNC_SETS == ("runtime.max_staleness=1", "algo.importance_correction=token-truncate")
+
+
+def test_the_report_prints_the_async_ratio_apart_from_the_synchronous_one(capsys) -> None:
+    def runs(*rates: float, quality: float) -> list[dict]:
+        return [{"rate": r, "quality": quality, "peak_rss_mb": 500.0} for r in rates]
+
+    results = {"trl": runs(9.0, 10.0, 11.0, quality=0.5), "rltune": runs(15.0, 14.0, 16.0, quality=0.4),
+               "rltune-async": runs(20.0, 19.0, 25.0, quality=0.45)}
+    common.report(results, unit="completions/s", quality="reward", target=2.0)
+    out = capsys.readouterr().out
+    # medians: trl 10, rltune 15, rltune-async 20 -> 15 / 10 = 1.50x, 20 / 10 = 2.00x
+    assert "rltune / TRL speed: 1.50x (target 2.0x: NOT met)" in out
+    assert "rltune-async / TRL speed: 2.00x, reward 0.450 (generation one step ahead" in out
+    assert "the synchronous, same-algorithm ratio is rltune's above" in out
+
+
+def test_an_extra_side_without_a_note_is_an_error() -> None:
+    with pytest.raises(KeyError, match="rltune-other"):
+        common.side_note("rltune-other")
