@@ -1,0 +1,356 @@
+"""The search over layouts: which candidates exist, which fit, which is fastest.
+
+A candidate (``spec.Candidate``) is one choice of every knob rltune exposes for a run's
+layout: generators on devices of their own or colocated with the learners, the
+generators' tensor-parallel degree and replica count, the learner group's
+``train.parallel`` degrees, ``train.micro_batch_tokens``, activation checkpointing,
+offload and ``runtime.max_staleness``. :func:`enumerate_candidates` lists exactly the
+valid ones (:func:`candidate_problem` says why any other is not). :func:`plan` prices each
+with the cost model (``rltune.plan.memory`` and ``rltune.plan.timing``), rejects those that
+do not fit in memory (keeping the reasons) and ranks the rest by predicted samples per
+second: every candidate when the space has at most ``budget`` of them, else ``trials``
+of them chosen by Optuna's TPE sampler (Bergstra et al. 2011, "Algorithms for
+Hyper-Parameter Optimization"), seeded so that the answer is reproducible.
+
+Every device is used: the generators and the learners together take ``cluster.gpus``
+devices (colocated, the generators sit on the learners' devices), so nothing idles by
+construction. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from rltune.plan.errors import PlanError
+from rltune.plan.spec import Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, Plan, StepTime, Workload
+
+Checkpointing = Literal["none", "full", "selective"]
+Offload = Literal["none", "optimizer", "params"]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search varies; every tuple is the options of one knob. ``pp`` and
+    ``dp_replicate`` options that do not divide a learner group are skipped for it;
+    ``dp_shard`` is what the other degrees leave of the group (``dp_shard: auto``)."""
+
+    colocate: tuple[bool, ...] = (False, True)
+    """False: generators on devices of their own; True: on the learners' devices, taking
+    turns with them (rltune's ``runtime.placement.colocate``: one generator per learner
+    device, so colocated generators have TP 1)."""
+    generator_tp: tuple[int, ...] = (1, 2, 4, 8)
+    """Devices one generator engine spans (``rollout.vllm.tensor_parallel_size``); those
+    over ``gpus_per_node`` or not dividing the heads are skipped."""
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    pp: tuple[int, ...] = (1, 2, 4, 8, 16)
+    ep: tuple[int, ...] | None = None
+    """None: every divisor of the model's expert count (MoE), 1 for a dense model."""
+    dp_replicate: tuple[int, ...] | None = None
+    """None: every divisor of the learner group."""
+    micro_batch_tokens: tuple[int, ...] = (4096, 8192, 16384)
+    activation_checkpointing: tuple[Checkpointing, ...] = ("none", "full")
+    offload: tuple[Offload, ...] = ("none", "optimizer", "params")
+    max_staleness: int = 0
+    """Staleness 0..max_staleness is searched (the config's ``runtime.max_staleness``
+    unless ``rltune plan --max-staleness`` says otherwise)."""
+    one_process: bool = False
+    """True for a cluster of one device: the local runtime (learner and generator in one
+    process, which is colocation)."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The search's answer."""
+
+    plans: tuple[Plan, ...]
+    """The ``top`` fitting plans, fastest first."""
+    rejected: dict[str, int]
+    """How many candidates each kind of problem rejected; a kind is a problem line with
+    its numbers replaced by ``#`` (:func:`reason_kind`), most common first."""
+    examples: dict[str, str]
+    """One full problem line of each kind in ``rejected``."""
+    evaluated: int
+    """Distinct candidates priced."""
+    suggestions: int
+    """Candidates the search looked at: the space's size when exhaustive, TPE's trials."""
+    fitting: int
+    space_size: int
+    method: Literal["exhaustive", "tpe"]
+    seed: int = 0
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: str = "vllm",
+                  max_staleness: int | None = None, micro_batch_tokens: int | None = None) -> SearchSpace:
+    """The space for a config: generator TP above 1 only for the vLLM engine (rltune's
+    ``hf`` generator holds the whole model on one device); staleness up to the config's
+    ``runtime.max_staleness`` (``work.max_staleness``) or ``max_staleness``; the
+    config's own ``micro_batch_tokens`` added to the options."""
+    mbt = tuple(sorted({4096, 8192, 16384} | ({micro_batch_tokens} if micro_batch_tokens else set())))
+    return SearchSpace(
+        generator_tp=(1, 2, 4, 8) if engine == "vllm" else (1,),
+        micro_batch_tokens=mbt,
+        max_staleness=work.max_staleness if max_staleness is None else max_staleness,
+        one_process=cluster.gpus == 1,
+    )
+
+
+def _tp_ok(spec: ModelSpec, tp: int, cluster: Cluster) -> bool:
+    """Tensor parallelism splits the query and key/value heads and the vocabulary evenly,
+    within one node (``rltune.parallel.layout``'s check)."""
+    return tp <= cluster.gpus_per_node and all(n % tp == 0 for n in (spec.heads, spec.kv_heads, spec.vocab))
+
+
+def _ep_options(spec: ModelSpec, space: SearchSpace) -> list[int]:
+    if not spec.is_moe:
+        return [1]
+    return sorted(set(space.ep) if space.ep is not None else set(divisors(spec.experts)))
+
+
+def learner_layouts(spec: ModelSpec, world: int, cluster: Cluster, space: SearchSpace) -> Iterator[LearnerLayout]:
+    """Every ``train.parallel`` layout of ``world`` ranks in the space that the model's
+    shapes allow: tp dividing heads, kv heads and vocabulary, pp <= layers, ep dividing
+    the experts, the product of the degrees ``world``."""
+    for tp in sorted(space.tp):
+        if world % tp or not _tp_ok(spec, tp, cluster):
+            continue
+        for pp in sorted(space.pp):
+            if (world // tp) % pp or pp > spec.layers:
+                continue
+            for ep in _ep_options(spec, space):
+                rest, left = divmod(world, tp * pp * ep)
+                if left or (ep > 1 and spec.experts % ep):
+                    continue
+                reps = divisors(rest) if space.dp_replicate is None else [r for r in space.dp_replicate if rest % r == 0]
+                for dp_replicate in sorted(reps):
+                    yield LearnerLayout(dp_replicate=dp_replicate, dp_shard=rest // dp_replicate, tp=tp, pp=pp, ep=ep)
+
+
+def splits(spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[tuple[bool, int, int, int]]:
+    """``(colocate, generator_tp, generator_replicas, learner_world)`` for every way to
+    share the cluster's devices between the roles, all of them used."""
+    n = cluster.gpus
+    if not work.generates:  # no generator: every device learns
+        yield (False, 1, 0, n)
+        return
+    if space.one_process or True in space.colocate:
+        yield (True, 1, n, n)
+    if space.one_process or False not in space.colocate:
+        return
+    for gtp in sorted(space.generator_tp):
+        if gtp > cluster.gpus_per_node or spec.heads % gtp or spec.kv_heads % gtp:
+            continue
+        for replicas in range(1, (n - 1) // gtp + 1):
+            yield (False, gtp, replicas, n - gtp * replicas)
+
+
+def offload_ok(offload: str, layout: LearnerLayout, work: Workload) -> bool:
+    """rltune's offload rules (``rltune.config.train``): ``optimizer`` for a learner that
+    holds the whole model (one rank or DDP: dp_shard = tp = pp = ep = 1), not with fp16;
+    ``params`` is FSDP2's CPU offload (dp_shard > 1, tp = pp = ep = 1)."""
+    plain = layout.tp == layout.pp == layout.ep == 1
+    if offload == "optimizer":
+        return plain and layout.dp_shard == 1 and work.precision != "fp16"
+    if offload == "params":
+        return plain and layout.dp_shard > 1
+    return True
+
+
+def _knobs(layout: LearnerLayout, work: Workload, space: SearchSpace) -> Iterator[tuple[int, str, str, int]]:
+    for mbt in sorted(space.micro_batch_tokens):
+        for ckpt in space.activation_checkpointing:
+            for offload in space.offload:
+                if not offload_ok(offload, layout, work):
+                    continue
+                for staleness in range(space.max_staleness + 1):
+                    yield mbt, ckpt, offload, staleness
+
+
+def enumerate_candidates(spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Candidate]:
+    """Every valid candidate of ``space`` on ``cluster``, in a fixed order."""
+    for colocate, gtp, replicas, world in splits(spec, work, cluster, space):
+        for layout in learner_layouts(spec, world, cluster, space):
+            for mbt, ckpt, offload, staleness in _knobs(layout, work, space):
+                yield Candidate(learner=layout, generator_tp=gtp, generator_replicas=replicas, colocate=colocate,
+                                micro_batch_tokens=mbt, activation_checkpointing=ckpt, offload=offload,  # type: ignore[arg-type]
+                                max_staleness=staleness)
+
+
+def space_size(spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace) -> int:
+    """How many candidates :func:`enumerate_candidates` yields, counted per layout."""
+    return sum(sum(1 for _ in _knobs(layout, work, space))
+               for *_, world in splits(spec, work, cluster, space)
+               for layout in learner_layouts(spec, world, cluster, space))
+
+
+def evaluate(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, cand: Candidate) -> Plan:
+    """One candidate priced: memory per device per role, the problems that keep it from
+    fitting (``memory.memory_problems``), and for one that fits the step time and samples
+    per second (``timing``) and each role's busy share of the step."""
+    from rltune.plan import memory, timing  # the cost model, looked up at call time
+
+    mem = {"learner": memory.learner_memory(spec, work, cand, cluster)}
+    if work.generates:
+        mem["generator"] = memory.generator_memory(spec, work, cand, cluster)
+    problems = tuple(memory.memory_problems(spec, work, cand, cluster))
+    if problems:
+        return Plan(candidate=cand, memory=mem, time=StepTime(), samples_per_s=0.0, problems=problems)
+    t = timing.step_time(spec, work, cand, cluster, eff)
+    return Plan(candidate=cand, memory=mem, time=t, samples_per_s=timing.samples_per_second(work, t),
+                utilisation=utilisation(work, t))
+
+
+def utilisation(work: Workload, t: StepTime) -> dict[str, float]:
+    """Busy share of a step: generators ``(prefill + decode) / step``, learners
+    ``(reference + forward_backward + optimizer + exposed comm + weight sync) / step``
+    (the sync occupies the learner that sends it); 1 at most."""
+    if t.step <= 0:
+        return {}
+    out = {"learner": min(1.0, (t.learn + t.weight_sync) / t.step)}
+    if work.generates:
+        out["generator"] = min(1.0, t.generate / t.step)
+    return out
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def reason_kind(problem: str) -> str:
+    """A problem line with its numbers as ``#``, so that lines differing only in the
+    figures count as one kind ("learner needs # GB per device at dp_shard=#, has #")."""
+    return _NUMBER.sub("#", problem)
+
+
+def rank_key(p: Plan) -> tuple:
+    """Fastest first; at equal speed the one with the least memory on its fullest device,
+    then a fixed order of the candidate's fields, so the ranking is deterministic."""
+    peak = max(m.total for m in p.memory.values())
+    return (-round(p.samples_per_s, 9), round(peak), repr(p.candidate))
+
+
+@dataclass
+class _Tally:
+    """The search's running account of what it priced."""
+
+    plans: dict[Candidate, Plan] = field(default_factory=dict)
+    rejected: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def add(self, p: Plan) -> Plan:
+        self.plans[p.candidate] = p
+        for problem in p.problems:
+            kind = reason_kind(problem)
+            self.rejected[kind] += 1
+            self.examples.setdefault(kind, problem)
+        return p
+
+    def result(self, top: int, size: int, method: Literal["exhaustive", "tpe"], seed: int,
+               suggestions: int) -> PlanResult:
+        fits = sorted((p for p in self.plans.values() if p.fits), key=rank_key)
+        kinds = [k for k, _ in sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return PlanResult(plans=tuple(fits[:top]), rejected={k: self.rejected[k] for k in kinds},
+                          examples={k: self.examples[k] for k in kinds}, evaluated=len(self.plans), suggestions=suggestions,
+                          fitting=len(fits), space_size=size, method=method, seed=seed)
+
+
+def plan(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, *, top: int = 5,
+         space: SearchSpace | None = None, budget: int = 20_000, trials: int = 400, seed: int = 0) -> PlanResult:
+    """The ``top`` fastest layouts that fit, by predicted samples per second. Every
+    candidate is priced when the space holds at most ``budget``; otherwise Optuna's TPE
+    sampler (seeded with ``seed``) makes ``trials`` suggestions in it."""
+    if top < 1:
+        raise PlanError(f"top={top}: ask for at least one plan (--top >= 1)")
+    space = space if space is not None else SearchSpace()
+    size = space_size(spec, work, cluster, space)
+    if size == 0:
+        raise PlanError(f"no layout of {spec.name} on {cluster.gpus} device(s) is valid in the search space "
+                        f"(tp among {space.tp} dividing heads {spec.heads}, kv heads {spec.kv_heads} and "
+                        f"vocabulary {spec.vocab}; pp among {space.pp} up to {spec.layers} layers)")
+    tally = _Tally()
+    if size <= budget:
+        for cand in enumerate_candidates(spec, work, cluster, space):
+            tally.add(evaluate(spec, work, cluster, eff, cand))
+        return tally.result(top, size, "exhaustive", seed, size)
+    made = tpe_search(lambda cand: tally.plans.get(cand) or tally.add(evaluate(spec, work, cluster, eff, cand)),
+               spec, work, cluster, space, trials=trials, seed=seed)
+    return tally.result(top, size, "tpe", seed, made)
+
+
+def _optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise PlanError("the search space is larger than --budget, and searching it takes Optuna: "
+                        "pip install 'rltune[plan]' (or raise --budget to enumerate it)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def tpe_search(price, spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace, *,
+               trials: int, seed: int) -> int:
+    """Maximise ``price(candidate).samples_per_s`` over the valid candidates of ``space``
+    with Optuna's TPE sampler (multivariate, seeded) in ``trials`` suggestions (as TPE
+    converges it suggests good candidates again; each is priced once). Each knob is one
+    parameter; a suggestion that is no candidate of :func:`enumerate_candidates` is moved
+    to the nearest one (:func:`_suggest_split`, :func:`_nearest_layout`; an offload not
+    allowed there becomes ``none``), which leaves every candidate reachable (a valid
+    suggestion is its own image) and wastes no trial.
+    Returns how many suggestions were made."""
+    optuna = _optuna()
+    split_set = set(splits(spec, work, cluster, space))
+    layouts = {world: list(learner_layouts(spec, world, cluster, space)) for world in {s[3] for s in split_set}}
+    every = [layout for group in layouts.values() for layout in group]
+    options = {dim: sorted({getattr(layout, dim) for layout in every}) for dim in ("tp", "pp", "ep", "dp_replicate")}
+    def objective(trial) -> float:
+        split = _suggest_split(trial, split_set, cluster.gpus)
+        wanted = {dim: trial.suggest_categorical(dim, opts) for dim, opts in options.items()}
+        layout = _nearest_layout(wanted, layouts[split[3]])
+        offload = trial.suggest_categorical("offload", list(space.offload))
+        cand = Candidate(
+            learner=layout, generator_tp=split[1], generator_replicas=split[2], colocate=split[0],
+            micro_batch_tokens=trial.suggest_categorical("micro_batch_tokens", sorted(space.micro_batch_tokens)),
+            activation_checkpointing=trial.suggest_categorical("activation_checkpointing",
+                                                               list(space.activation_checkpointing)),
+            offload=offload if offload_ok(offload, layout, work) else "none",
+            max_staleness=trial.suggest_int("max_staleness", 0, space.max_staleness) if space.max_staleness else 0)
+        return price(cand).samples_per_s
+
+    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=min(50, trials))
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    study.optimize(objective, n_trials=trials)
+    return len(study.trials)
+
+
+def _nearest_layout(wanted: dict[str, int], valid: list[LearnerLayout]) -> LearnerLayout:
+    """The valid layout closest to the suggested degrees: the one whose tp, pp, ep and
+    dp_replicate differ least (in that order of importance, by factor), the larger on a tie."""
+    def distance(layout: LearnerLayout) -> tuple:
+        return tuple(abs(math.log2(getattr(layout, dim) / wanted[dim])) for dim in ("tp", "pp", "ep", "dp_replicate")) + \
+            tuple(-getattr(layout, dim) for dim in ("tp", "pp", "ep", "dp_replicate"))
+    return min(valid, key=distance)
+
+
+def _suggest_split(trial, split_set: set[tuple[bool, int, int, int]], gpus: int) -> tuple[bool, int, int, int]:
+    """The role split of a trial: colocated or not, the generators' TP and how many
+    devices they take (rounded down to whole engines, at least one), every parameter
+    suggested on every trial so that TPE models them jointly."""
+    if len(split_set) == 1:
+        return next(iter(split_set))
+    colocate = trial.suggest_categorical("colocate", sorted({s[0] for s in split_set}))
+    own = sorted(s for s in split_set if not s[0])
+    gtp = trial.suggest_categorical("generator_tp", sorted({s[1] for s in own}) or [1])
+    devices = trial.suggest_int("generator_devices", 1, max(1, gpus - 1))
+    if colocate or not own:
+        return next(s for s in split_set if s[0])
+    counts = [s[2] for s in own if s[1] == gtp]
+    replicas = min(max(1, devices // gtp), max(counts))
+    return (False, gtp, replicas, gpus - gtp * replicas)
