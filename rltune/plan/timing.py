@@ -433,7 +433,8 @@ def overlapped_step(generate: float, scoring: float, learn: float, sync: float, 
       ``generate + score + learn + sync``;
     * ``max_staleness`` = k >= 1 on separate devices: the next batch is generated while the
       learner learns, a steady-state two-stage pipeline, ``max(generate + score, learn) +
-      sync`` (the sync on both paths: the generators stop to take the weights). This is
+      sync``, the sync on both paths: the producer loads weights only between batches and
+      the learner's next take waits until it has (``rltune/runtime/rollouts.py``). This is
       the one-step-off-policy schedule of verl and the asynchronous ones of AReaL (Fu et
       al. 2025) and PipelineRL (Piche et al. 2025) at their mean; k > 1 adds slack that
       absorbs the spread of generation times (``rltune.plan.simulate``), not mean speed."""
@@ -462,5 +463,6 @@ def samples_per_second(work: Workload, t: StepTime) -> float:
 
 def utilisation(t: StepTime) -> dict[str, float]:
     """Busy share of each role's devices over a step (``Plan.utilisation``): generators
-    ``generate / step``, learners ``learn / step``."""
-    return {"generator": t.generate / t.step, "learner": t.learn / t.step}
+    ``(generate + weight_sync) / step``, learners ``(learn + weight_sync) / step`` (both
+    sides take part in the sync, :func:`overlapped_step`); at most 1 by that rule."""
+    return {"generator": (t.generate + t.weight_sync) / t.step, "learner": (t.learn + t.weight_sync) / t.step}
