@@ -78,6 +78,8 @@ class PlanResult:
     """Distinct candidates priced."""
     suggestions: int
     """Candidates the search looked at: the space's size when exhaustive, TPE's trials."""
+    climbed: int
+    """Neighbours :func:`polish` looked at after TPE (0 when exhaustive)."""
     fitting: int
     space_size: int
     method: Literal["exhaustive", "tpe"]
@@ -206,19 +208,7 @@ def evaluate(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency,
         return Plan(candidate=cand, memory=mem, time=StepTime(), samples_per_s=0.0, problems=problems)
     t = timing.step_time(spec, work, cand, cluster, eff)
     return Plan(candidate=cand, memory=mem, time=t, samples_per_s=timing.samples_per_second(work, t),
-                utilisation=utilisation(work, t))
-
-
-def utilisation(work: Workload, t: StepTime) -> dict[str, float]:
-    """Busy share of a step: generators ``(prefill + decode) / step``, learners
-    ``(reference + forward_backward + optimizer + exposed comm + weight sync) / step``
-    (the sync occupies the learner that sends it); 1 at most."""
-    if t.step <= 0:
-        return {}
-    out = {"learner": min(1.0, (t.learn + t.weight_sync) / t.step)}
-    if work.generates:
-        out["generator"] = min(1.0, t.generate / t.step)
-    return out
+                utilisation={role: share for role, share in timing.utilisation(t).items() if role in mem})
 
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -254,19 +244,21 @@ class _Tally:
         return p
 
     def result(self, top: int, size: int, method: Literal["exhaustive", "tpe"], seed: int,
-               suggestions: int) -> PlanResult:
+               suggestions: int, climbed: int = 0) -> PlanResult:
         fits = sorted((p for p in self.plans.values() if p.fits), key=rank_key)
         kinds = [k for k, _ in sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))]
         return PlanResult(plans=tuple(fits[:top]), rejected={k: self.rejected[k] for k in kinds},
-                          examples={k: self.examples[k] for k in kinds}, evaluated=len(self.plans), suggestions=suggestions,
+                          examples={k: self.examples[k] for k in kinds}, evaluated=len(self.plans), suggestions=suggestions, climbed=climbed,
                           fitting=len(fits), space_size=size, method=method, seed=seed)
 
 
 def plan(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, *, top: int = 5,
-         space: SearchSpace | None = None, budget: int = 20_000, trials: int = 400, seed: int = 0) -> PlanResult:
+         space: SearchSpace | None = None, budget: int = 20_000, trials: int = 400, starts: int = 5,
+         seed: int = 0) -> PlanResult:
     """The ``top`` fastest layouts that fit, by predicted samples per second. Every
     candidate is priced when the space holds at most ``budget``; otherwise Optuna's TPE
-    sampler (seeded with ``seed``) makes ``trials`` suggestions in it."""
+    sampler (seeded with ``seed``) makes ``trials`` suggestions in it, and
+    :func:`polish` climbs from the ``starts`` best of them."""
     if top < 1:
         raise PlanError(f"top={top}: ask for at least one plan (--top >= 1)")
     space = space if space is not None else SearchSpace()
@@ -280,9 +272,13 @@ def plan(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, *, 
         for cand in enumerate_candidates(spec, work, cluster, space):
             tally.add(evaluate(spec, work, cluster, eff, cand))
         return tally.result(top, size, "exhaustive", seed, size)
-    made = tpe_search(lambda cand: tally.plans.get(cand) or tally.add(evaluate(spec, work, cluster, eff, cand)),
-               spec, work, cluster, space, trials=trials, seed=seed)
-    return tally.result(top, size, "tpe", seed, made)
+    def price(cand: Candidate) -> Plan:
+        return tally.plans.get(cand) or tally.add(evaluate(spec, work, cluster, eff, cand))
+
+    made, climbed = tpe_search(price, spec, work, cluster, space, trials=trials, seed=seed), 0
+    for start in sorted((p for p in tally.plans.values() if p.fits), key=rank_key)[:starts]:
+        climbed += polish(price, start, spec, work, cluster, space)
+    return tally.result(top, size, "tpe", seed, made, climbed)
 
 
 def _optuna():
@@ -354,3 +350,42 @@ def _suggest_split(trial, split_set: set[tuple[bool, int, int, int]], gpus: int)
     counts = [s[2] for s in own if s[1] == gtp]
     replicas = min(max(1, devices // gtp), max(counts))
     return (False, gtp, replicas, gpus - gtp * replicas)
+
+
+def neighbours(cand: Candidate, spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace,
+               layouts: dict[int, list[LearnerLayout]]) -> Iterator[Candidate]:
+    """The candidates one knob away from ``cand``: another role split (with the learner
+    layout nearest to its degrees on the new group), another layout of the same group,
+    another micro-batch, checkpointing, offload or staleness."""
+    degrees = {dim: getattr(cand.learner, dim) for dim in ("tp", "pp", "ep", "dp_replicate")}
+    for colocate, gtp, replicas, world in splits(spec, work, cluster, space):
+        layout = _nearest_layout(degrees, layouts[world])
+        yield replace(cand, colocate=colocate, generator_tp=gtp, generator_replicas=replicas, learner=layout,
+                      offload=cand.offload if offload_ok(cand.offload, layout, work) else "none")
+    for layout in layouts[cand.learner_gpus]:
+        yield replace(cand, learner=layout, offload=cand.offload if offload_ok(cand.offload, layout, work) else "none")
+    for mbt, ckpt, offload, staleness in _knobs(cand.learner, work, space):
+        if sum((mbt != cand.micro_batch_tokens, ckpt != cand.activation_checkpointing,
+                offload != cand.offload, staleness != cand.max_staleness)) == 1:
+            yield replace(cand, micro_batch_tokens=mbt, activation_checkpointing=ckpt,  # type: ignore[arg-type]
+                          offload=offload, max_staleness=staleness)  # type: ignore[arg-type]
+
+
+def polish(price, start: Plan, spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace,
+           *, rounds: int = 20) -> int:
+    """Hill-climb from ``start``: move to the fastest fitting neighbour (:func:`neighbours`)
+    while it is faster, at most ``rounds`` moves. TPE finds the right region of a space of
+    tens of thousands of candidates in a few hundred trials but rarely its best point (on
+    llama-3.1-8b at 16 GPUs, 300 trials reached 93-98 % of the best); the climb closes that
+    gap for a few hundred more pricings. Returns how many neighbours it priced."""
+    layouts = {world: list(learner_layouts(spec, world, cluster, space))
+               for world in {s[3] for s in splits(spec, work, cluster, space)}}
+    best, looked = start, 0
+    for _ in range(rounds):
+        around = [price(c) for c in neighbours(best.candidate, spec, work, cluster, space, layouts)]
+        looked += len(around)
+        better = max((p for p in around if p.fits), key=lambda p: p.samples_per_s, default=best)
+        if better.samples_per_s <= best.samples_per_s:
+            break
+        best = better
+    return looked
