@@ -34,6 +34,7 @@ the check against rltune's measured memory table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from rltune.plan.catalogue import (
@@ -131,6 +132,7 @@ def stage_layers(layers: int, pp: int) -> list[range]:
     return [range(sum(sizes[:s]), sum(sizes[: s + 1])) for s in range(pp)]
 
 
+@functools.lru_cache(maxsize=4096)  # the search asks again for every candidate of a layout
 def param_split(spec: ModelSpec, layout: LearnerLayout) -> tuple[float, float]:
     """``(dense, routed)``: parameters of the largest pipeline stage that one device of
     ``layout`` holds before FSDP sharding, split by how they shard. dense = (stage layers'
@@ -376,6 +378,7 @@ def fsdp_buffer_bytes(spec: ModelSpec, work: Workload, cand: Candidate) -> float
     return (GATHERED_LAYERS + 1) * _largest_block(spec, layout) * DTYPE_BYTES[work.model_dtype]
 
 
+@functools.lru_cache(maxsize=4096)
 def _largest_block(spec: ModelSpec, layout: LearnerLayout) -> float:
     """Parameters of the largest block one device computes: dense /tp, routed experts /ep."""
     routed = _routed_per_layer(spec)
