@@ -55,6 +55,9 @@ class SearchSpace:
     micro_batch_tokens: tuple[int, ...] = (4096, 8192, 16384)
     activation_checkpointing: tuple[Checkpointing, ...] = ("none", "full")
     offload: tuple[Offload, ...] = ("none", "optimizer", "params")
+    weight_sync: tuple[Literal["object_store", "broadcast"], ...] = ("object_store", "broadcast")
+    """``runtime.weight_sync`` options, for generators on devices of their own (colocated
+    generators take the default, ``object_store``)."""
     max_staleness: int = 0
     """Staleness 0..max_staleness is searched (the config's ``runtime.max_staleness``
     unless ``rltune plan --max-staleness`` says otherwise)."""
@@ -84,6 +87,9 @@ class PlanResult:
     space_size: int
     method: Literal["exhaustive", "tpe"]
     seed: int = 0
+    alternatives: dict[str, Plan] = field(default_factory=dict)
+    """The fastest fitting plan of each kind, for the report's reasons: ``colocated``,
+    ``apart`` (generators on devices of their own), ``staleness=K`` for each K priced."""
 
 
 def divisors(n: int) -> list[int]:
@@ -177,20 +183,27 @@ def _knobs(layout: LearnerLayout, work: Workload, space: SearchSpace) -> Iterato
                     yield mbt, ckpt, offload, staleness
 
 
+def syncs(colocate: bool, work: Workload, space: SearchSpace) -> tuple[str, ...]:
+    """The weight-sync options of a split: searched only where the weights travel to
+    generators of their own."""
+    return tuple(sorted(space.weight_sync)) if work.generates and not colocate else ("object_store",)
+
+
 def enumerate_candidates(spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Candidate]:
     """Every valid candidate of ``space`` on ``cluster``, in a fixed order."""
     for colocate, gtp, replicas, world in splits(spec, work, cluster, space):
         for layout in learner_layouts(spec, world, cluster, space):
             for mbt, ckpt, offload, staleness in _knobs(layout, work, space):
-                yield Candidate(learner=layout, generator_tp=gtp, generator_replicas=replicas, colocate=colocate,
-                                micro_batch_tokens=mbt, activation_checkpointing=ckpt, offload=offload,  # type: ignore[arg-type]
-                                max_staleness=staleness)
+                for sync in syncs(colocate, work, space):
+                    yield Candidate(learner=layout, generator_tp=gtp, generator_replicas=replicas, colocate=colocate,
+                                    micro_batch_tokens=mbt, activation_checkpointing=ckpt,  # type: ignore[arg-type]
+                                    offload=offload, max_staleness=staleness, weight_sync=sync)  # type: ignore[arg-type]
 
 
 def space_size(spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace) -> int:
     """How many candidates :func:`enumerate_candidates` yields, counted per layout."""
-    return sum(sum(1 for _ in _knobs(layout, work, space))
-               for *_, world in splits(spec, work, cluster, space)
+    return sum(sum(1 for _ in _knobs(layout, work, space)) * len(syncs(colocate, work, space))
+               for colocate, *_, world in splits(spec, work, cluster, space)
                for layout in learner_layouts(spec, world, cluster, space))
 
 
@@ -221,10 +234,11 @@ def reason_kind(problem: str) -> str:
 
 
 def rank_key(p: Plan) -> tuple:
-    """Fastest first; at equal speed the one with the least memory on its fullest device,
-    then a fixed order of the candidate's fields, so the ranking is deterministic."""
+    """Fastest first; at equal speed the less stale (on-policy learning is preferred when
+    it costs nothing), then the one with the least memory on its fullest device, then a
+    fixed order of the candidate's fields, so the ranking is deterministic."""
     peak = max(m.total for m in p.memory.values())
-    return (-round(p.samples_per_s, 9), round(peak), repr(p.candidate))
+    return (-round(p.samples_per_s, 9), p.candidate.max_staleness, round(peak), repr(p.candidate))
 
 
 @dataclass
@@ -247,9 +261,14 @@ class _Tally:
                suggestions: int, climbed: int = 0) -> PlanResult:
         fits = sorted((p for p in self.plans.values() if p.fits), key=rank_key)
         kinds = [k for k, _ in sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))]
+        alternatives: dict[str, Plan] = {}
+        for p in fits:
+            alternatives.setdefault("colocated" if p.candidate.colocate else "apart", p)
+            alternatives.setdefault(f"staleness={p.candidate.max_staleness}", p)
         return PlanResult(plans=tuple(fits[:top]), rejected={k: self.rejected[k] for k in kinds},
                           examples={k: self.examples[k] for k in kinds}, evaluated=len(self.plans), suggestions=suggestions, climbed=climbed,
-                          fitting=len(fits), space_size=size, method=method, seed=seed)
+                          fitting=len(fits), space_size=size, method=method, seed=seed,
+                          alternatives=alternatives)
 
 
 def plan(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, *, top: int = 5,
@@ -317,13 +336,20 @@ def tpe_search(price, spec: ModelSpec, work: Workload, cluster: Cluster, space: 
             activation_checkpointing=trial.suggest_categorical("activation_checkpointing",
                                                                list(space.activation_checkpointing)),
             offload=offload if offload_ok(offload, layout, work) else "none",
-            max_staleness=trial.suggest_int("max_staleness", 0, space.max_staleness) if space.max_staleness else 0)
+            max_staleness=trial.suggest_int("max_staleness", 0, space.max_staleness) if space.max_staleness else 0,
+            weight_sync=_suggest_sync(trial, syncs(split[0], work, space), syncs(False, work, space)))
         return price(cand).samples_per_s
 
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=min(50, trials))
     study = optuna.create_study(direction="maximize", sampler=sampler)
     study.optimize(objective, n_trials=trials)
     return len(study.trials)
+
+
+def _suggest_sync(trial, allowed: tuple[str, ...], every: tuple[str, ...]) -> str:
+    """The weight sync of a trial (suggested on every trial; the default where not searched)."""
+    sync = trial.suggest_categorical("weight_sync", list(every)) if len(every) > 1 else every[0]
+    return sync if sync in allowed else "object_store"
 
 
 def _nearest_layout(wanted: dict[str, int], valid: list[LearnerLayout]) -> LearnerLayout:
@@ -361,7 +387,10 @@ def neighbours(cand: Candidate, spec: ModelSpec, work: Workload, cluster: Cluste
     for colocate, gtp, replicas, world in splits(spec, work, cluster, space):
         layout = _nearest_layout(degrees, layouts[world])
         yield replace(cand, colocate=colocate, generator_tp=gtp, generator_replicas=replicas, learner=layout,
-                      offload=cand.offload if offload_ok(cand.offload, layout, work) else "none")
+                      offload=cand.offload if offload_ok(cand.offload, layout, work) else "none",
+                      weight_sync=cand.weight_sync if cand.weight_sync in syncs(colocate, work, space) else "object_store")
+    for sync in syncs(cand.colocate, work, space):
+        yield replace(cand, weight_sync=sync)  # type: ignore[arg-type]
     for layout in layouts[cand.learner_gpus]:
         yield replace(cand, learner=layout, offload=cand.offload if offload_ok(cand.offload, layout, work) else "none")
     for mbt, ckpt, offload, staleness in _knobs(cand.learner, work, space):

@@ -97,8 +97,12 @@ def _brute_force(spec, work, cluster, space):
                     continue
                 if off == "params" and not (plain and shard > 1):
                     continue
-                out.add(Candidate(learner=layout, generator_tp=gtp, generator_replicas=replicas, colocate=colocate,
-                                  micro_batch_tokens=mbt, activation_checkpointing=ckpt, offload=off, max_staleness=st))
+                for sync in ("object_store", "broadcast"):
+                    if sync == "broadcast" and colocate:  # the weights stay on the device
+                        continue
+                    out.add(Candidate(learner=layout, generator_tp=gtp, generator_replicas=replicas,
+                                      colocate=colocate, micro_batch_tokens=mbt, activation_checkpointing=ckpt,
+                                      offload=off, max_staleness=st, weight_sync=sync))
     return out
 
 
