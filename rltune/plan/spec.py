@@ -220,8 +220,10 @@ class Efficiency:
     """Fixed time per learner step (optimizer launch, bookkeeping)."""
     comm_bandwidth: float = 0.75
     """Achieved / link bandwidth of a large collective."""
-    comm_latency_s: float = 10e-6
-    """Latency of one collective per hop."""
+    comm_latency_s: float = 3e-6
+    """Latency of one collective per hop of a ring: NCCL's low-latency protocols, which it
+    picks for small messages, take ~1-2 us a hop over NVLink (Hu et al. 2025, "Demystifying
+    NCCL"), an InfiniBand hop a few us."""
     score_s: float = 0.0
     """Seconds to score one sample (the reward function), when not overlapped."""
 
