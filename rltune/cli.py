@@ -1,5 +1,6 @@
 """`rltune train FILE [key.sub=value ...]`, `rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`,
-`rltune dashboard [RUN_DIR ...]`, `rltune report RUN_DIR [--out DIR]`."""
+`rltune dashboard [RUN_DIR ...]`, `rltune report RUN_DIR [--out DIR]`,
+`rltune plan CONFIG.yaml --gpus N [...]` (``rltune.plan.command``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.models.load import ModelLoadError
     from rltune.models.safetensors_io import TensorFileError
     from rltune.parallel.layout import LayoutError
+    from rltune.plan.errors import PlanError
     from rltune.rewards.loading import RewardLoadError
     from rltune.runtime.reward_errors import RewardErrorLimit
     from rltune.runtime.sinks import SinkError
@@ -35,7 +37,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
-        RewardErrorLimit, LayoutError, PrecisionError,
+        RewardErrorLimit, LayoutError, PrecisionError, PlanError,
     )
 
 
@@ -94,6 +96,12 @@ def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
     serve(args.run_dirs or [Path("runs")], host=args.host, port=args.port, token=token,
           log=lambda line: console.print(line, highlight=False))
     return 0
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from rltune.plan.command import cmd_plan as run_plan
+
+    return run_plan(args, console)
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -164,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path, help="the run's directory (log.dir/NAME)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/report)")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser(
+        "plan",
+        help="choose a run's layout on a cluster (memory, step time, samples/s) and write its config sections",
+    )
+    from rltune.plan.command import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(fn=cmd_plan)
     return parser
 
 
