@@ -1,0 +1,126 @@
+"""The plan's report: the table's cells, the reasons built from the numbers, the config
+sections of each kind of layout (and that rltune's loader accepts them), the JSON object,
+and ``write_config``'s merge. Plans are built by hand here, with round figures."""
+
+from __future__ import annotations
+
+import yaml
+import pytest
+
+from rltune.config import load_config
+from rltune.plan.report import (config_sections, differences, format_table, layout_text, reasons, rejections_text,
+                                to_json, write_config)
+from rltune.plan.search import PlanResult
+from rltune.plan.spec import Candidate, Cluster, LearnerLayout, Plan, RoleMemory, StepTime
+
+APART = Candidate(learner=LearnerLayout(dp_shard=4, tp=2), generator_tp=2, generator_replicas=2, colocate=False,
+                  micro_batch_tokens=4096, max_staleness=1, weight_sync="broadcast")
+COLOCATED = Candidate(learner=LearnerLayout(dp_shard=8), generator_replicas=8, colocate=True)
+
+
+def _plan(cand: Candidate, *, decode: float, learn: float, step: float, sps: float) -> Plan:
+    t = StepTime(prefill=1.0, decode=decode, forward_backward=learn, comm={"fsdp": 0.5}, weight_sync=0.25, step=step)
+    return Plan(candidate=cand, memory={"learner": RoleMemory(weights=40e9, optimizer=20e9),
+                                        "generator": RoleMemory(weights=8e9, kv_cache=12e9)},
+                time=t, samples_per_s=sps, utilisation={"generator": 0.9, "learner": 0.75})
+
+
+# APART: generate 1 + 9 = 10 s, learn 6 + 0.5 = 6.5 s, overlapped: max(10, 6.5) + 0.25 = 10.25 s;
+# 512 samples / 10.25 s = 49.95/s. COLOCATED in turn: 10 + 6.5 + 0.25 = 16.75 s: 30.57/s
+BEST = _plan(APART, decode=9.0, learn=6.0, step=10.25, sps=512 / 10.25)
+COLO = _plan(COLOCATED, decode=9.0, learn=6.0, step=16.75, sps=512 / 16.75)
+RESULT = PlanResult(plans=(BEST, COLO), rejected={"learner needs # GB per device at dp_shard=#, has #": 7},
+                    examples={"learner needs # GB per device at dp_shard=#, has #": "learner needs 94 GB per device at dp_shard=1, has 80"},
+                    evaluated=10, suggestions=10, climbed=0, fitting=3, space_size=10, method="exhaustive",
+                    alternatives={"apart": BEST, "colocated": COLO, "staleness=1": BEST, "staleness=0": COLO})
+
+
+def test_layout_text():
+    assert layout_text(APART) == "2 gen x tp2 + 8 learn [dp_shard=4 tp=2]"
+    assert layout_text(COLOCATED) == "8 colocated [dp_shard=8]"
+    assert layout_text(Candidate(learner=LearnerLayout(), colocate=True)) == "1 colocated [one rank]"
+
+
+def test_table_cells():
+    lines = format_table([BEST]).splitlines()
+    cells = lines[2].split("  ")
+    cells = [c.strip() for c in cells if c.strip()]
+    # learner 40 + 20 = 60.0 GB, generator 8 + 12 = 20.0; generate 10.00, learn 6.50, comm 0.50,
+    # sync 0.25, step 10.25, 512 / 10.25 = 49.95 samples/s
+    assert cells == ["1", "2 gen x tp2 + 8 learn [dp_shard=4 tp=2]", "1", "4096", "none", "none", "broadcast",
+                     "60.0", "20.0", "10.00", "6.50", "0.50", "0.25", "10.25", "49.95", "90%", "75%"]
+
+
+def test_reasons_come_from_the_numbers():
+    text = reasons(RESULT)
+    # colocated: 30.57/s; 49.95 / 30.57 - 1 = 63 %
+    assert "Generators apart: 2 engine(s) of TP 2 on 4 devices, 8 learner devices." in text
+    assert "(8 colocated [dp_shard=8]) takes 16.75 s a step, 30.57 samples/s, 63% less than this" in text
+    assert "max(generate + score 10.00, learn 6.50) + sync 0.25 = 10.25 s" in text
+    assert "on-policy (staleness 0) the best plan reaches 30.57 samples/s (63% less)" in text
+    # the largest phase: decode 9 s of 10 + 6.5 + 0.25 = 16.75 s of work: 54 %
+    assert "dominated by decode: 9.00 s, 54% of the work of a step" in text
+    # runner-up: 30.57 / 49.95 - 1 = -39 %
+    assert "The runner-up (dp_shard 4 -> 8, tp 2 -> 1, colocate False -> True" in text
+    assert "reaches 30.57 samples/s (-39%)" in text
+
+
+def test_rejections_text():
+    assert rejections_text(RESULT) == ("7 rejected; most common reasons:\n"
+                                       "  7 x learner needs 94 GB per device at dp_shard=1, has 80")
+
+
+def test_differences():
+    assert differences(APART, APART) == []
+    assert differences(APART, COLOCATED)[:2] == ["dp_shard 4 -> 8", "tp 2 -> 1"]
+
+
+def test_sections_apart_with_engine_tp():
+    s = config_sections(BEST, Cluster(gpus=12))
+    assert s["runtime"]["mode"] == "ray"
+    assert s["runtime"]["placement"] == {"generators": 2, "learners": 8, "colocate": False,
+                                         "learner_strategy": "fsdp2", "learner": {"cpus": 1.0, "gpus": 1.0},
+                                         "generator": {"cpus": 1.0, "gpus": 2.0}}
+    assert s["runtime"]["max_staleness"] == 1 and s["runtime"]["weight_sync"] == "broadcast"
+    assert s["algo"] == {"importance_correction": "token-truncate"}
+    assert s["rollout"] == {"vllm": {"tensor_parallel_size": 2}}
+    assert s["train"]["parallel"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "pp": 1, "ep": 1, "pp_schedule": "1f1b"}
+    assert s["train"]["micro_batch_tokens"] == 4096
+
+
+def test_sections_colocated_and_one_process():
+    s = config_sections(COLO, Cluster(gpus=8))
+    assert s["runtime"]["placement"]["learner"]["gpus"] == s["runtime"]["placement"]["generator"]["gpus"] == 0.5
+    assert "algo" not in s and "rollout" not in s
+    one = config_sections(_plan(Candidate(learner=LearnerLayout(), colocate=True), decode=1, learn=1, step=3, sps=1),
+                          Cluster(gpus=1, kind="cpu"))
+    assert one["runtime"]["mode"] == "local"
+    assert one["runtime"]["placement"]["learner"] == {"cpus": 1.0, "gpus": 0.0}
+
+
+def test_staleness_keeps_a_chosen_correction():
+    base = load_config(None, ["algo.importance_correction=seq-mask", "runtime.max_staleness=1"])
+    assert "algo" not in config_sections(BEST, Cluster(gpus=12), base)
+
+
+def test_written_config_merges_and_loads(tmp_path):
+    base = tmp_path / "in.yaml"
+    base.write_text(yaml.safe_dump({"name": "x", "model": {"path": "builtin:tiny"}, "rollout": {"engine": "vllm"},
+                                    "train": {"lr": 3e-4, "parallel": {"tp": 1}}}))
+    out = write_config(base, BEST, tmp_path / "out.yaml", Cluster(gpus=12))
+    cfg = load_config(out)
+    assert cfg.train.lr == 3e-4 and cfg.train.parallel.tp == 2 and cfg.train.parallel.dp_shard == 4
+    assert cfg.runtime.placement.generators == 2 and cfg.rollout.vllm.tensor_parallel_size == 2
+    assert cfg.algo.importance_correction == "token-truncate" and cfg.runtime.max_staleness == 1
+
+
+def test_json():
+    doc = to_json(RESULT, model="m", params=123, cluster=Cluster(gpus=12))
+    assert doc["fits"] and doc["params"] == 123 and doc["gpus"] == 12
+    assert doc["memory_gb"] == {"learner": 60.0, "generator": 20.0}
+    assert doc["step_s"] == 10.25 and doc["samples_per_s"] == pytest.approx(49.951, abs=1e-3)
+    assert doc["layout"]["generators"] == 2 and doc["layout"]["dp_shard"] == 4 and doc["layout"]["generator_gpus"] == 4
+    assert [p["samples_per_s"] for p in doc["plans"]] == [BEST.samples_per_s, COLO.samples_per_s]
+    assert doc["rejected"] == [{"reason": "learner needs 94 GB per device at dp_shard=1, has 80",
+                                "kind": "learner needs # GB per device at dp_shard=#, has #", "count": 7}]
+    assert doc["search"]["method"] == "exhaustive" and doc["config"]["runtime"]["mode"] == "ray"
