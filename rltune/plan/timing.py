@@ -74,13 +74,22 @@ def _layers_local(spec: ModelSpec, cand: Candidate) -> float:
     return spec.layers / cand.learner.pp
 
 
+def _minibatch_rows(work: Workload, cand: Candidate) -> int:
+    return math.ceil(math.ceil(work.samples_per_step / cand.learner.data_world) / work.minibatches)
+
+
 def micro_batches(work: Workload, cand: Candidate) -> int:
     """Micro-batches one learner rank runs per optimizer step: its rows
     ``ceil(samples / data_world)``, cut into ``minibatches``, ``floor(micro_batch_tokens /
     tokens_per_sample)`` rows (at least one) a micro-batch."""
-    rows = math.ceil(math.ceil(work.samples_per_step / cand.learner.data_world) / work.minibatches)
     per = max(1, cand.micro_batch_tokens // work.tokens_per_sample)
-    return math.ceil(rows / per)
+    return math.ceil(_minibatch_rows(work, cand) / per)
+
+
+def micro_batch_tokens(work: Workload, cand: Candidate) -> float:
+    """Mean tokens of one micro-batch: a mini-batch's rows x tokens per sample over its
+    micro-batches (so that micro-batches x this is the rank's tokens exactly)."""
+    return _minibatch_rows(work, cand) * work.tokens_per_sample / micro_batches(work, cand)
 
 
 def optimizer_steps(work: Workload) -> int:
@@ -143,6 +152,22 @@ def no_grad_forwards(work: Workload) -> int:
     return old + ref + (1 if work.critic else 0)
 
 
+def activation_passes(work: Workload, cand: Candidate) -> float:
+    """Passes over the batch whose layers exchange activations (TP all-reduces, EP
+    all-to-alls): every training forward, backward and recomputed forward (x epochs, x
+    trained models) and every no-gradient forward."""
+    return (2.0 + _recompute(cand)) * work.epochs * _models(work) + no_grad_forwards(work)
+
+
+def param_gathers(work: Workload, cand: Candidate) -> float:
+    """Parameter gathers (of the policy's size) per step under FSDP: each micro-batch's
+    forward and backward gather every layer, a no-gradient forward once, and the gradients
+    are reduce-scattered once per optimizer step (rltune accumulates without sync,
+    ``rltune/learner/parallel.py``)."""
+    m = micro_batches(work, cand)
+    return (2 * m + 1) * optimizer_steps(work) * _models(work) + no_grad_forwards(work) * m * work.minibatches
+
+
 def reference(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds of the no-gradient forwards (:func:`no_grad_forwards`) on one learner rank."""
     return learner_forwards(spec, work, cand, cluster, eff, float(no_grad_forwards(work)))
@@ -180,10 +205,9 @@ def _act_bytes(precision: str) -> int:
 def fsdp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds of FSDP (ZeRO-3) traffic, before overlap: each local layer's stored params
     all-gathered over ``dp_shard x ep`` ranks (stride ``tp``) in every forward and again in
-    every backward of every micro-batch, and the gradients reduce-scattered once per
-    optimizer step (rltune accumulates without sync, ``rltune/learner/parallel.py``):
-    ``(2 x micro-batches + 1) x optimizer steps x all_gather(bytes x params / (tp pp))``, one
-    collective per layer for the latency. Routed experts: split over ``ep``, then sharded
+    every backward of every micro-batch (once in a no-gradient forward), and the gradients
+    reduce-scattered once per optimizer step: ``param_gathers x all_gather(bytes x params /
+    (tp pp))``, one collective per layer for the latency. Routed experts: split over ``ep``, then sharded
     over ``dp_shard`` (``rltune/parallel/strategy.py``)."""
     lay = cand.learner
     n = lay.dp_shard * lay.ep
@@ -196,8 +220,7 @@ def fsdp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster
     one = (all_gather_s(dense, n, link_bandwidth(cluster, n, lay.tp, eff), 0.0)
            + all_gather_s(routed, lay.dp_shard, link_bandwidth(cluster, lay.dp_shard, lay.tp * lay.ep, eff), 0.0)
            + _layers_local(spec, cand) * (n - 1) * eff.comm_latency_s)
-    gathers = 2 * micro_batches(work, cand) * optimizer_steps(work) + optimizer_steps(work)
-    return _models(work) * gathers * one
+    return param_gathers(work, cand) * one
 
 
 def fsdp_exposed(comm: float, compute: float, layers: float) -> float:
@@ -220,32 +243,29 @@ def dp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, 
 
 def tp_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds of tensor-parallel all-reduces (Megatron-LM, Shoeybi et al. 2019): two per
-    layer in the forward (attention, MLP) and two in the backward, two more per recomputed
-    forward, of ``micro-batch tokens x hidden`` activations, not overlapped."""
+    layer (attention, MLP) in every forward, backward and recomputed forward
+    (:func:`activation_passes`), of ``micro-batch tokens x hidden`` activations, not overlapped."""
     lay = cand.learner
     if lay.tp <= 1:
         return 0.0
     bw = link_bandwidth(cluster, lay.tp, 1, eff)
-    tokens = max(1, cand.micro_batch_tokens // work.tokens_per_sample) * work.tokens_per_sample
-    one = all_reduce_s(tokens * spec.hidden * _act_bytes(work.precision), lay.tp, bw, eff.comm_latency_s)
-    calls = 2 * (2 + 2 * _recompute(cand)) * _layers_local(spec, cand)
-    return _models(work) * work.epochs * micro_batches(work, cand) * work.minibatches * calls * one
+    nbytes = micro_batch_tokens(work, cand) * spec.hidden * _act_bytes(work.precision)
+    calls = 2 * activation_passes(work, cand) * _layers_local(spec, cand) * micro_batches(work, cand) * work.minibatches
+    return calls * all_reduce_s(nbytes, lay.tp, bw, eff.comm_latency_s)
 
 
 def ep_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
-    """Seconds of expert-parallel all-to-alls: dispatch and combine per MoE layer in the
-    forward, two more in the backward (and per recomputed forward), of ``tokens x
+    """Seconds of expert-parallel all-to-alls: dispatch and combine per MoE layer in every
+    forward, backward and recomputed forward (:func:`activation_passes`), of ``tokens x
     experts_per_token x hidden`` activations over ``ep`` ranks (stride ``tp``)."""
     lay = cand.learner
     if lay.ep <= 1 or not spec.is_moe:
         return 0.0
     bw = link_bandwidth(cluster, lay.ep, lay.tp, eff)
-    tokens = max(1, cand.micro_batch_tokens // work.tokens_per_sample) * work.tokens_per_sample
-    nbytes = tokens * spec.experts_per_token * spec.hidden * _act_bytes(work.precision)
+    nbytes = micro_batch_tokens(work, cand) * spec.experts_per_token * spec.hidden * _act_bytes(work.precision)
     moe_layers = (spec.layers - spec.dense_layers) / lay.pp
-    calls = 2 * (2 + _recompute(cand)) * moe_layers
-    steps = work.epochs * micro_batches(work, cand) * work.minibatches
-    return _models(work) * steps * calls * all_to_all_s(nbytes, lay.ep, bw, eff.comm_latency_s)
+    calls = 2 * activation_passes(work, cand) * moe_layers * micro_batches(work, cand) * work.minibatches
+    return calls * all_to_all_s(nbytes, lay.ep, bw, eff.comm_latency_s)
 
 
 def pp_bubble(compute: float, work: Workload, cand: Candidate) -> float:
@@ -257,35 +277,34 @@ def pp_bubble(compute: float, work: Workload, cand: Candidate) -> float:
 
 
 def pp_sends(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
-    """Point-to-point sends between stages: each micro-batch's activations forward and their
-    gradients backward, ``tokens x hidden`` each, over the link between stages (stride
-    ``world / pp``), not overlapped."""
+    """Point-to-point sends between stages: each micro-batch's activations in every forward
+    and their gradients in every backward, ``tokens x hidden`` each, over the link between
+    stages (stride ``world / pp``), not overlapped."""
     lay = cand.learner
     if lay.pp <= 1:
         return 0.0
     bw = link_bandwidth(cluster, 2, lay.world // lay.pp, eff)
-    tokens = max(1, cand.micro_batch_tokens // work.tokens_per_sample) * work.tokens_per_sample
-    one = tokens * spec.hidden * _act_bytes(work.precision) / bw + eff.comm_latency_s
-    return _models(work) * work.epochs * micro_batches(work, cand) * work.minibatches * 2 * one
+    one = micro_batch_tokens(work, cand) * spec.hidden * _act_bytes(work.precision) / bw + eff.comm_latency_s
+    passes = 2 * work.epochs * _models(work) + no_grad_forwards(work)
+    return passes * micro_batches(work, cand) * work.minibatches * one
 
 
 def offload_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Device-host copies of offload at ``cluster.host_gbps``, not overlapped: ``optimizer``
     sends the gradients down and the weights up once per optimizer step (2 values a local
-    parameter); ``params`` also brings each shard up for every gather (1 value each)."""
+    parameter); ``params`` also brings each shard up for every :func:`param_gathers`."""
     if cand.offload == "none":
         return 0.0
-    local = local_trainable_params(spec, work, cand)
-    copies = 2 * optimizer_steps(work)
+    copies = 2 * optimizer_steps(work) * _models(work)
     if cand.offload == "params":
-        copies += 2 * micro_batches(work, cand) * optimizer_steps(work)
-    return _models(work) * copies * param_bytes(work) * local / (cluster.host_gbps * GIGA)
+        copies += param_gathers(work, cand)
+    return copies * param_bytes(work) * local_trainable_params(spec, work, cand) / (cluster.host_gbps * GIGA)
 
 
 def learner_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency,
                  compute: float) -> dict[str, float]:
     """Exposed communication of the learner by kind (``StepTime.comm``); ``compute`` is the
-    forward + backward seconds that FSDP's gathers hide behind."""
+    seconds of the forwards and backwards that FSDP's gathers hide behind."""
     comm = {"fsdp": fsdp_exposed(fsdp_comm(spec, work, cand, cluster, eff), compute, _layers_local(spec, cand)),
             "dp": dp_comm(spec, work, cand, cluster, eff), "tp": tp_comm(spec, work, cand, cluster, eff),
             "ep": ep_comm(spec, work, cand, cluster, eff), "offload": offload_comm(spec, work, cand, cluster, eff)}
@@ -445,11 +464,12 @@ def overlapped_step(generate: float, scoring: float, learn: float, sync: float, 
 
 def step_time(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> StepTime:
     """Seconds of one training step by phase, and ``step``, its wall time after overlap."""
-    fb = forward_backward(spec, work, cand, cluster, eff)
+    fb, ref = forward_backward(spec, work, cand, cluster, eff), reference(spec, work, cand, cluster, eff)
     t = StepTime(
         prefill=prefill(spec, work, cand, cluster, eff), decode=decode(spec, work, cand, cluster, eff),
-        score=score(work, eff), reference=reference(spec, work, cand, cluster, eff), forward_backward=fb,
-        optimizer=optimizer(spec, work, cand, cluster, eff), comm=learner_comm(spec, work, cand, cluster, eff, fb),
+        score=score(work, eff), reference=ref, forward_backward=fb,
+        optimizer=optimizer(spec, work, cand, cluster, eff),
+        comm=learner_comm(spec, work, cand, cluster, eff, fb + ref),
         weight_sync=weight_sync(spec, work, cand, cluster, eff),
     )
     step = overlapped_step(t.generate, t.score, t.learn, t.weight_sync, cand)

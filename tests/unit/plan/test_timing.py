@@ -167,6 +167,23 @@ def test_dp_tp_ep_pp_terms() -> None:
     assert timing.offload_comm(SPEC, WORK, cand(offload="optimizer"), CLUSTER, EFF) == pytest.approx(0.8)
 
 
+def test_passes_that_exchange_activations_or_gather_parameters() -> None:
+    ref = Workload(**(WORK.__dict__ | dict(reference=True)))
+    # a micro-batch holds the rows there are: 4 rows per rank of 200 tokens, room for 10 -> 800
+    assert timing.micro_batch_tokens(WORK, cand(dp_shard=2, micro_batch_tokens=2000)) == 800
+    # forward + backward + recompute (full) = 3 passes; or forward + backward + a reference forward
+    assert timing.activation_passes(WORK, cand(activation_checkpointing="full")) == 3
+    assert timing.activation_passes(ref, cand()) == 3
+    # TP at 3 passes: 2 all-reduces x 3 passes x 10 layers x 4 micro-batches = 240 x 3.6e-5
+    full = cand(tp=2, activation_checkpointing="full")
+    assert timing.tp_comm(SPEC, WORK, full, CLUSTER, EFF) == pytest.approx(8.64e-3)
+    assert timing.tp_comm(SPEC, ref, cand(tp=2), CLUSTER, EFF) == pytest.approx(8.64e-3)
+    # FSDP gathers, m = 2: (2 x 2 + 1) for training + 2 for the reference forward's micro-batches
+    assert timing.param_gathers(ref, cand(dp_shard=2)) == 7
+    # PP sends: 2 training + 1 reference pass x 4 micro-batches x 2.6e-5
+    assert timing.pp_sends(SPEC, ref, cand(pp=2), CLUSTER, EFF) == pytest.approx(3.12e-4, rel=1e-9)
+
+
 def test_sum_max_affine() -> None:
     # max(10, 2t) for t = 1..10: 10 x 5 (t <= 5) + 12 + 14 + 16 + 18 + 20 = 130
     assert timing.sum_max_affine(10, 0, 0, 2, 10) == pytest.approx(130.0)
