@@ -1,14 +1,12 @@
 """``rltune plan --calibrate``: fit the cost model's constants on the machine at hand.
 
-Short measured steps on this CPU: a large fp32 matmul (the device's peak FLOP rate), a
-memory stream (its bandwidth), rltune's learner step, forward pass and optimizer step on
-tiny Qwen2 models of several sizes at several token counts, its generator's prefill and
-decode at several batch sizes and lengths, and a gloo all-reduce between two processes
-at two sizes. Each measurement is a :class:`Probe`: what the timing model
-(:func:`rltune.plan.timing.step_time`) predicts for a workload and layout that describe
-it, against the seconds measured. :func:`fit_efficiency` then chooses the
-:class:`~rltune.plan.spec.Efficiency` constants that minimise the probes' squared
-relative error.
+Short measured steps on this CPU: an fp32 matmul (peak FLOP rate), a memory stream
+(bandwidth), rltune's learner step, forward and optimizer step on tiny Qwen2 models of
+two sizes at several token counts, its generator at several batch sizes and lengths, and
+a gloo all-reduce between two processes at two sizes. Each is a :class:`Probe`: seconds
+measured against what :func:`rltune.plan.timing.step_time` predicts for the workload and
+layout that describe it; :func:`fit_efficiency` chooses the ``Efficiency`` constants that
+minimise the probes' squared relative error.
 
 The CPU as a cluster. A device is ``threads`` cores (torch's intra-op threads); the
 machine holds ``cores // threads`` of them, in one node, sharing its memory. ``tflops``
@@ -18,18 +16,15 @@ rate). ``hbm_gbps``, ``intra_gbps``, ``inter_gbps`` and ``host_gbps`` are all th
 measured memory stream bandwidth: two processes on one machine communicate through
 memory, and the fitted ``comm_bandwidth`` is the share of it a gloo all-reduce reaches.
 
-The fit. Every time of the model is a sum of work divided by a rate times an efficiency
-(linear in ``1/efficiency``) and of fixed seconds (linear in them), possibly under a
-``max`` of two regimes (a roofline). So in the coordinates ``1/train_mfu``,
-``1/prefill_mfu``, ``1/decode_bandwidth``, ``1/decode_mfu``, ``1/comm_bandwidth``,
-``layer_overhead_s``, ``step_overhead_s``, ``comm_latency_s``, ``score_s`` each probe's
-prediction is ``a . theta + b`` near any point. :func:`fit_efficiency` reads ``a`` and
+The fit. Every time of the model is work over a rate times an efficiency (linear in
+``1/efficiency``) plus fixed seconds, possibly under a ``max`` of two regimes (a
+roofline): in the coordinates ``theta`` (:data:`INVERSE` inverted, :data:`DIRECT` as they
+are) each probe's prediction is ``a . theta + b`` near any point. :func:`fit_efficiency` reads ``a`` and
 ``b`` off the timing model itself (differences along each coordinate), solves the
 weighted least squares ``min sum_i ((a_i . theta + b_i) / y_i - 1)^2`` under bounds
 (seconds >= 0, efficiencies <= 1000), and repeats from the solution until the regimes
 stop changing (Gauss-Newton on a piecewise-linear model, exact where it is linear).
-
-This is the one planner module that imports torch (through the measuring functions).
+The one planner module that imports torch (inside the measuring functions).
 """
 
 from __future__ import annotations
@@ -48,13 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from rltune.plan.catalogue import CATALOGUE
 from rltune.plan.errors import PlanError
-from rltune.plan.spec import Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, StepTime, Workload
+from rltune.plan.spec import Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, Workload
 
 CALIBRATION_FORMAT = "rltune-plan-calibration"
 CALIBRATION_VERSION = 1
-"""Bump when the file's layout or the meaning of a fitted constant changes; an older
-file is refused with a message to calibrate again."""
+"""Bumped when the file's layout or a constant's meaning changes (older files refused)."""
 
 INVERSE = ("train_mfu", "prefill_mfu", "decode_bandwidth", "decode_mfu", "comm_bandwidth")
 """Efficiencies the model divides by: fitted as their inverse."""
@@ -62,17 +57,14 @@ DIRECT = ("layer_overhead_s", "step_overhead_s", "comm_latency_s", "score_s")
 """Fixed seconds the model adds: fitted as they are."""
 FITTED = INVERSE + DIRECT
 _MAX_EFFICIENCY = 1000.0
-"""Bound of a fitted efficiency: a CPU's caches can beat its memory stream, but a rate
-1000x the measured peak means the term does not describe the probes."""
+"""Bound of a fitted efficiency (caches can beat the memory stream, not by 1000x)."""
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One measured time and the situation of the cost model that describes it:
-    ``phase`` of ``step_time(spec, work, cand, cluster, eff)`` (a :class:`StepTime`
-    field or property: ``step``, ``generate``, ``learn``, ``optimizer``, ``reference``,
-    or ``comm:KIND`` for one entry of its ``comm``), or ``all_reduce:BYTES`` (a
-    collective alone; ``spec``, ``work`` and ``cand`` then only describe the machine)."""
+    """Seconds measured, and what the cost model says of them: ``phase`` of
+    ``step_time(spec, work, cand, ...)`` (a :class:`StepTime` field or property, or
+    ``comm:KIND``), or ``all_reduce:BYTES``, a collective alone (spec, work, cand unused)."""
 
     what: str
     spec: ModelSpec
@@ -85,13 +77,6 @@ class Probe:
 Predict = Callable[[Probe, Cluster, Efficiency], float]
 
 
-def phase_seconds(t: StepTime, phase: str) -> float:
-    """The seconds of ``phase`` in ``t`` (see :class:`Probe`)."""
-    if phase.startswith("comm:"):
-        return t.comm.get(phase.removeprefix("comm:"), 0.0)
-    return float(getattr(t, phase))
-
-
 def predict_probe(probe: Probe, cluster: Cluster, eff: Efficiency) -> float:
     """What the timing model says ``probe`` takes on ``cluster`` at ``eff``: the
     ``phase`` of :func:`~rltune.plan.timing.step_time`, or for ``all_reduce:BYTES`` a ring
@@ -101,7 +86,9 @@ def predict_probe(probe: Probe, cluster: Cluster, eff: Efficiency) -> float:
     if probe.phase.startswith("all_reduce:"):
         nbytes = float(probe.phase.removeprefix("all_reduce:"))
         return timing.all_reduce_s(nbytes, 2, timing.link_bandwidth(cluster, 2, 1, eff), eff.comm_latency_s)
-    return phase_seconds(timing.step_time(probe.spec, probe.work, probe.cand, cluster, eff), probe.phase)
+    t = timing.step_time(probe.spec, probe.work, probe.cand, cluster, eff)
+    kind = probe.phase.removeprefix("comm:")
+    return t.comm.get(kind, 0.0) if kind != probe.phase else float(getattr(t, probe.phase))
 
 
 # ----------------------------------------------------------------------------- the fit
@@ -289,8 +276,9 @@ a matmul's efficiency falls with its width (a 64-wide model reaches a third of w
 LEARN_SHAPES = ((8, 23, 8), (32, 23, 16), (64, 23, 24))
 """(rows, prompt tokens, completion tokens) of the learner steps measured: 250 to 3,000
 tokens, prompts as long as ``builtin:arith_small``'s (23 tokens)."""
-GEN_SHAPES = ((2, 4, 23, 8), (4, 8, 23, 16), (8, 8, 23, 24))
-"""(prompts, samples per prompt, prompt tokens, new tokens) of the generations measured."""
+GEN_SHAPES = ((2, 4, 23, 8), (4, 8, 23, 16), (8, 8, 23, 24), (4, 2, 200, 4))
+"""(prompts, samples per prompt, prompt tokens, new tokens) of the generations measured;
+the last one's long prompts make the prefill's share large enough to fit."""
 BUDGET = 8192
 """Micro-batch token budget of the learner probes (``train.micro_batch_tokens``' default)."""
 ALLREDUCE_ELEMENTS = (1 << 10, 1 << 22)
@@ -328,22 +316,15 @@ def scored_online(rows: int, prompt: int, completion: int) -> Workload:
     return dataclasses.replace(learner_only(rows, prompt, completion), generates=True, reference=True)
 
 
-def measure_matmul(repeats: int) -> float:
-    """FLOP/s of a 1024^3 fp32 matmul (2 n^3 FLOPs) at torch's current threads."""
+def measure_peaks(repeats: int) -> tuple[float, float]:
+    """FLOP/s of a 1024^3 fp32 matmul (2 n^3 FLOPs) and bytes/s of copying 64 MB (read
+    and write: 128 MB moved), at torch's current threads."""
     import torch
 
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / timed(lambda: a @ b, repeats=repeats, warmup=2)
-
-
-def measure_stream(repeats: int) -> float:
-    """Bytes/s of copying 64 MB (read + write counted: 128 MB moved per copy)."""
-    import torch
-
+    a, b, dst = torch.randn(1024, 1024), torch.randn(1024, 1024), torch.empty(1 << 24)
     src = torch.rand(1 << 24)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeats=repeats, warmup=2)
+    return (2 * 1024**3 / timed(lambda: a @ b, repeats=repeats, warmup=2),
+            2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeats=repeats, warmup=2))
 
 
 def _allreduce_times(elements: tuple[int, ...], repeats: int, threads: int) -> list[float]:
@@ -360,14 +341,6 @@ def _allreduce_times(elements: tuple[int, ...], repeats: int, threads: int) -> l
     return out
 
 
-def measure_allreduce(repeats: int, threads: int) -> list[float]:
-    """Seconds of a gloo all-reduce between two processes at :data:`ALLREDUCE_ELEMENTS`."""
-    from rltune.learner.launch import spawn_learner_group
-
-    ranks = spawn_learner_group(2, _allreduce_times, ALLREDUCE_ELEMENTS, repeats, threads, backend="gloo")
-    return [max(r[i] for r in ranks) for i in range(len(ALLREDUCE_ELEMENTS))]
-
-
 def synthetic_batch(rows: int, prompt: int, completion: int, *, seed: int = 0) -> Any:
     """A GRPO ``TrainBatch``: random tokens, every completion token trained, random
     per-sequence advantages, on-policy (no old log-probs)."""
@@ -382,6 +355,28 @@ def synthetic_batch(rows: int, prompt: int, completion: int, *, seed: int = 0) -
                       advantages=torch.randn(rows, generator=g)[:, None].expand(rows, completion))
 
 
+def grpo_learner(model: Any, budget: int = BUDGET) -> Any:
+    """rltune's ``LocalLearner`` of ``model`` with the GRPO objective (defaults) and the
+    micro-batch token budget ``budget``."""
+    from rltune.algos import ALGORITHMS
+    from rltune.config.schema import AlgoConfig, TrainConfig
+    from rltune.learner.learner import LocalLearner
+    from rltune.learner.objectives import build_objective
+
+    return LocalLearner(model, build_objective(ALGORITHMS["grpo"], AlgoConfig(name="grpo")),
+                        TrainConfig(lr=1e-6, micro_batch_tokens=budget))
+
+
+def speed_reference(repeats: int = 5) -> Callable[[], float]:
+    """A clock of the machine's speed: the median seconds of a fixed ``builtin:tiny``
+    learner step (8 x (23 + 8) tokens). On a machine that other jobs load, speed drifts
+    from one minute to the next; each probe group is scaled by this reference's time at
+    the start over its time next to the group, so the probes all describe the machine
+    as it was at the start (``machine.reference_s`` in the file)."""
+    learner, batch = grpo_learner(tiny_model("tiny")[0]), synthetic_batch(8, 23, 8)
+    return lambda: timed(lambda: learner.step(batch), repeats=repeats)
+
+
 def learner_probes(name: str, *, repeats: int, budget: int = BUDGET, shapes: Sequence[tuple[int, int, int]] = LEARN_SHAPES,
                    forward: bool = True) -> list[Probe]:
     """rltune's GRPO learner step (forward, backward, AdamW), its optimizer step alone
@@ -390,14 +385,10 @@ def learner_probes(name: str, *, repeats: int, budget: int = BUDGET, shapes: Seq
     forward probes."""
     import torch
 
-    from rltune.algos import ALGORITHMS
-    from rltune.config.schema import AlgoConfig, TrainConfig
-    from rltune.learner.learner import LocalLearner
-    from rltune.learner.objectives import build_objective, logprobs_only
+    from rltune.learner.objectives import logprobs_only
 
     model, spec = tiny_model(name)
-    learner = LocalLearner(model, build_objective(ALGORITHMS["grpo"], AlgoConfig(name="grpo")),
-                           TrainConfig(lr=1e-6, micro_batch_tokens=budget))
+    learner = grpo_learner(model, budget)
     cand = Candidate(LearnerLayout(), micro_batch_tokens=budget)
     probes = []
     for rows, prompt, completion in shapes:
@@ -441,12 +432,15 @@ def generator_probes(name: str, *, repeats: int) -> list[Probe]:
     return probes
 
 
-def collective_probes(spec: ModelSpec, *, repeats: int, threads: int) -> list[Probe]:
-    """The gloo all-reduce between two processes at :data:`ALLREDUCE_ELEMENTS` (fp32)."""
-    seconds = measure_allreduce(repeats, threads)
+def collective_probes(repeats: int, threads: int) -> list[Probe]:
+    """A gloo all-reduce between two processes at :data:`ALLREDUCE_ELEMENTS` (fp32); a
+    size's time is the slower rank's."""
+    from rltune.learner.launch import spawn_learner_group
+
+    ranks = spawn_learner_group(2, _allreduce_times, ALLREDUCE_ELEMENTS, repeats, threads, backend="gloo")
     work, cand = learner_only(1, 1, 1), Candidate(LearnerLayout(dp_replicate=2))
-    return [Probe(f"all-reduce {4 * n} bytes, 2 processes", spec, work, cand, f"all_reduce:{4 * n}", s)
-            for n, s in zip(ALLREDUCE_ELEMENTS, seconds)]
+    return [Probe(f"all-reduce {4 * n} bytes, 2 processes", CATALOGUE["tiny"], work, cand, f"all_reduce:{4 * n}",
+                  max(r[i] for r in ranks)) for i, n in enumerate(ALLREDUCE_ELEMENTS)]
 
 
 def _probe_row(p: Probe, cluster: Cluster, eff: Efficiency) -> dict[str, Any]:
@@ -463,16 +457,23 @@ def measure_probes(*, threads: int, quick: bool) -> tuple[dict[str, Any], Cluste
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        repeats = 2 if quick else 5
-        machine = describe_machine(threads)
-        cluster = cpu_cluster(machine, flops=measure_matmul(repeats + 2), stream_bytes_s=measure_stream(repeats + 2))
-        probes: list[Probe] = []
+        repeats, reference = (3 if quick else 5), speed_reference()
+        machine = describe_machine(threads) | {"reference_s": reference()}
+        flops, stream = measure_peaks(repeats + 2)
+        cluster = cpu_cluster(machine, flops=flops, stream_bytes_s=stream)
+        groups: list[Callable[[], list[Probe]]] = []
         for name in SIZES:
             # quick: the largest model's longest step (a few seconds) and the forwards left out
             shapes = LEARN_SHAPES[:2] if quick and name == "3m" else LEARN_SHAPES
-            probes += learner_probes(name, repeats=repeats, shapes=shapes, forward=not quick)
-            probes += generator_probes(name, repeats=repeats)
-        probes += collective_probes(probes[0].spec, repeats=repeats * 3, threads=threads)
+            groups.append(lambda name=name, shapes=shapes: learner_probes(name, repeats=repeats, shapes=shapes,
+                                                                          forward=not quick))
+            groups.append(lambda name=name: generator_probes(name, repeats=repeats))
+        groups.append(lambda: collective_probes(repeats * 3, threads))
+        probes = []
+        for group in groups:
+            ahead, measured = reference(), group()
+            scale = machine["reference_s"] / ((ahead + reference()) / 2)
+            probes += [dataclasses.replace(p, seconds=p.seconds * scale) for p in measured]
         return machine, cluster, probes
     finally:
         torch.set_num_threads(before)

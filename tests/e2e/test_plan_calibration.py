@@ -1,0 +1,54 @@
+"""The planner's step-time prediction against real rltune steps on this CPU.
+
+Each test calibrates (``rltune.plan.calibrate.run_calibration``, quick) and runs real
+training steps of built-in-model configs in the same process, interleaved round after
+round (``benchmarks/plan_validate.py``), so the machine's speed and load reach the
+calibration and the runs alike; nothing here depends on this machine's absolute timings.
+Each config's predicted step time (``rltune.plan.timing.step_time`` for the candidate that
+describes the run, on the calibrated CPU cluster) must be within 25 % of its measured
+median step time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import plan_validate as validation  # noqa: E402
+
+from rltune.plan.calibrate import CALIBRATION_VERSION, FITTED, load_calibration  # noqa: E402
+
+TOLERANCE = 0.25
+
+
+def _check(rows: list[dict]) -> None:
+    shown = validation.table(rows)
+    print(shown)
+    for row in rows:
+        assert abs(row["error"]) <= TOLERANCE, f"{row['config']} off by {row['error']:+.1%}\n{shown}"
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_two_local_runs_staleness_0_and_1_are_predicted_within_25_percent(tmp_path: Path) -> None:
+    setups = tuple(s for s in validation.SETUPS if s.name in validation.QUICK)
+    _check(validation.validate(setups, tmp_path, rounds=1, steps=4))
+    # the calibration file the rounds used: versioned, the machine described, constants fitted
+    path = tmp_path / "calibration-0.json"
+    doc = json.loads(path.read_text())
+    assert doc["version"] == CALIBRATION_VERSION
+    assert {"cpu", "cores", "torch", "date", "threads_per_device"} <= set(doc["machine"])
+    assert {"train_mfu", "layer_overhead_s", "comm_bandwidth"} <= set(doc["fitted"]) <= set(FITTED)
+    cluster, eff = load_calibration(path)
+    assert cluster.kind == "cpu" and cluster.fp32_ratio == 1.0 and eff.train_mfu > 0
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_every_validation_config_is_predicted_within_25_percent(tmp_path: Path) -> None:
+    """Two model sizes, group sizes 4 to 16, completions of 8 to 32 tokens, staleness 0
+    and 1, one and two learner processes (``benchmarks/plan_validate.py: SETUPS``)."""
+    _check(validation.validate(validation.SETUPS, tmp_path, rounds=2, steps=4))
