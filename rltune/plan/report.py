@@ -74,8 +74,8 @@ def rejections_text(result: PlanResult, most: int = 3) -> str:
 
 
 def _pct(a: float, b: float) -> str:
-    """How much faster ``a`` is than ``b``, as a percentage of ``b``."""
-    return f"{(a / b - 1):.0%}" if b > 0 else "n/a"
+    """How much faster ``a`` is than ``b``, as a percentage of ``b`` (``+25%``)."""
+    return f"{(a / b - 1):+.0%}" if b > 0 else "n/a"
 
 
 def _placement_reason(best: Plan, result: PlanResult) -> str:
@@ -89,15 +89,15 @@ def _placement_reason(best: Plan, result: PlanResult) -> str:
         if other is None:
             return head + " No layout with generators on devices of their own fits or was found."
         return head + (f" The best layout with generators apart ({layout_text(other.candidate)}) reaches "
-                       f"{other.samples_per_s:.2f} samples/s, {_pct(best.samples_per_s, other.samples_per_s)} less "
-                       f"than this; its step is {other.time.step:.2f} s.")
+                       f"{other.samples_per_s:.2f} samples/s (this plan: {_pct(best.samples_per_s, other.samples_per_s)}); "
+                       f"its step is {other.time.step:.2f} s.")
     head = (f"Generators apart: {c.generator_replicas} engine(s) of TP {c.generator_tp} on {c.generator_gpus} devices, "
             f"{c.learner_gpus} learner devices.")
     if other is None:
         return head + " No colocated layout fits (both roles' memory on one device)."
     return head + (f" Colocated, every device would generate and learn in turn: the best such layout "
                    f"({layout_text(other.candidate)}) takes {other.time.step:.2f} s a step, "
-                   f"{other.samples_per_s:.2f} samples/s, {_pct(best.samples_per_s, other.samples_per_s)} less than this.")
+                   f"{other.samples_per_s:.2f} samples/s (this plan: {_pct(best.samples_per_s, other.samples_per_s)}).")
 
 
 def _staleness_reason(best: Plan, result: PlanResult) -> str:
@@ -110,7 +110,8 @@ def _staleness_reason(best: Plan, result: PlanResult) -> str:
         text = (f"max_staleness {c.max_staleness}: the next batch is generated while this one is learned, so the step is "
                 f"max(generate + score {t.generate + t.score:.2f}, learn {t.learn:.2f}) + sync {t.weight_sync:.2f} = {t.step:.2f} s")
         if zero is not None:
-            text += f"; on-policy (staleness 0) the best plan reaches {zero.samples_per_s:.2f} samples/s ({_pct(best.samples_per_s, zero.samples_per_s)} less)"
+            text += (f"; on-policy (staleness 0) the best plan reaches {zero.samples_per_s:.2f} samples/s "
+                     f"(this plan: {_pct(best.samples_per_s, zero.samples_per_s)})")
         return text + "."
     faster = [p for p in others.values() if p.samples_per_s > best.samples_per_s * (1 + 1e-9)]
     if not others:
@@ -152,7 +153,10 @@ def differences(a: Candidate, b: Candidate) -> list[str]:
 def _runner_up_reason(result: PlanResult) -> str:
     if len(result.plans) < 2:
         return ""
-    best, second = result.plans[0], result.plans[1]
+    best = result.plans[0]
+    # the first whose devices differ, else the next one (a knob such as the sync may be all that differs)
+    second = next((p for p in result.plans[1:] if layout_text(p.candidate) != layout_text(best.candidate)),
+                  result.plans[1])
     peak = lambda p: max(m.total for m in p.memory.values()) / GB  # noqa: E731
     return (f"The runner-up ({', '.join(differences(best.candidate, second.candidate))}) reaches "
             f"{second.samples_per_s:.2f} samples/s ({_pct(second.samples_per_s, best.samples_per_s)}) with "

@@ -53,11 +53,11 @@ def test_table_cells():
 
 def test_reasons_come_from_the_numbers():
     text = reasons(RESULT)
-    # colocated: 30.57/s; 49.95 / 30.57 - 1 = 63 %
+    # colocated: 30.57/s; 49.95 / 30.57 - 1 = +63 %
     assert "Generators apart: 2 engine(s) of TP 2 on 4 devices, 8 learner devices." in text
-    assert "(8 colocated [dp_shard=8]) takes 16.75 s a step, 30.57 samples/s, 63% less than this" in text
+    assert "(8 colocated [dp_shard=8]) takes 16.75 s a step, 30.57 samples/s (this plan: +63%)" in text
     assert "max(generate + score 10.00, learn 6.50) + sync 0.25 = 10.25 s" in text
-    assert "on-policy (staleness 0) the best plan reaches 30.57 samples/s (63% less)" in text
+    assert "on-policy (staleness 0) the best plan reaches 30.57 samples/s (this plan: +63%)" in text
     # the largest phase: decode 9 s of 10 + 6.5 + 0.25 = 16.75 s of work: 54 %
     assert "dominated by decode: 9.00 s, 54% of the work of a step" in text
     # runner-up: 30.57 / 49.95 - 1 = -39 %
