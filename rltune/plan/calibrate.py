@@ -53,7 +53,7 @@ CALIBRATION_VERSION = 1
 
 INVERSE = ("train_mfu", "prefill_mfu", "decode_bandwidth", "decode_mfu", "comm_bandwidth")
 """Efficiencies the model divides by: fitted as their inverse."""
-DIRECT = ("layer_overhead_s", "step_overhead_s", "comm_latency_s", "score_s")
+DIRECT = ("layer_overhead_s", "token_overhead_s", "step_overhead_s", "comm_latency_s", "score_s")
 """Fixed seconds the model adds: fitted as they are."""
 FITTED = INVERSE + DIRECT
 _MAX_EFFICIENCY = 1000.0
@@ -82,10 +82,11 @@ def predict_probe(probe: Probe, cluster: Cluster, eff: Efficiency) -> float:
     ``phase`` of :func:`~rltune.plan.timing.step_time`, or for ``all_reduce:BYTES`` a ring
     all-reduce of that many bytes between two devices of the node."""
     from rltune.plan import timing
+    from rltune.plan.collectives import all_reduce_s, link_bandwidth
 
     if probe.phase.startswith("all_reduce:"):
         nbytes = float(probe.phase.removeprefix("all_reduce:"))
-        return timing.all_reduce_s(nbytes, 2, timing.link_bandwidth(cluster, 2, 1, eff), eff.comm_latency_s)
+        return all_reduce_s(nbytes, 2, link_bandwidth(cluster, 2, 1, eff), eff.comm_latency_s)
     t = timing.step_time(probe.spec, probe.work, probe.cand, cluster, eff)
     kind = probe.phase.removeprefix("comm:")
     return t.comm.get(kind, 0.0) if kind != probe.phase else float(getattr(t, probe.phase))

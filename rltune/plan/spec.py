@@ -216,6 +216,11 @@ class Efficiency:
     layer_overhead_s: float = 0.0
     """Fixed time per layer per forward call (kernel launches, Python); dominates small
     models on CPU, ~0 under CUDA graphs."""
+    token_overhead_s: float = 0.0
+    """Time per token per layer per forward-equivalent of the work that is neither a matmul
+    nor a fixed per-call cost (norms, rotary, softmax, activation functions: element-wise
+    kernels whose cost grows with the tokens, not with the weights); 0: not modelled.
+    ``plan --calibrate`` fits it where the timing model uses it."""
     step_overhead_s: float = 0.0
     """Fixed time per learner step (optimizer launch, bookkeeping)."""
     comm_bandwidth: float = 0.75
