@@ -211,3 +211,19 @@ def test_tpe_with_the_cost_model_nears_the_exhaustive_best():
     tpe = plan(spec, work, cluster, Efficiency(), space=space, top=1, budget=1000, trials=300, seed=0)
     assert tpe.method == "tpe" and tpe.evaluated < full.space_size / 10
     assert tpe.plans[0].samples_per_s >= 0.95 * full.plans[0].samples_per_s
+
+
+def test_score_leads_towards_fitting_layouts():
+    from rltune.plan.search import score
+    from rltune.plan.spec import Plan
+
+    mem = {"learner": RoleMemory(weights=60e9), "generator": RoleMemory(weights=40e9)}
+    apart = Candidate(learner=LearnerLayout(dp_shard=2))
+    cluster = Cluster(gpus=4, memory_gb=50)
+    assert score(Plan(candidate=apart, memory=mem, time=StepTime(step=2.0), samples_per_s=3.5), cluster) == 3.5
+    # apart, the fuller device: 60 GB of 50 -> -1.2; colocated both roles share it: 100 of 50 -> -2.0
+    bad = Plan(candidate=apart, memory=mem, time=StepTime(), samples_per_s=0.0, problems=("too big",))
+    assert score(bad, cluster) == pytest.approx(-1.2, rel=1e-12)
+    colocated = Plan(candidate=Candidate(learner=LearnerLayout(dp_shard=2), colocate=True), memory=mem,
+                     time=StepTime(), samples_per_s=0.0, problems=("too big",))
+    assert score(colocated, cluster) == pytest.approx(-2.0, rel=1e-12)
