@@ -110,8 +110,10 @@ def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any) -> PlanError:
                          f"its learner alone needs at least {need} such devices (fully sharded, every block "
                          f"checkpointed), before any generator")
     top = next(iter(result.examples.values()), "no candidate")
+    how = (f"all {result.space_size} evaluated" if result.method == "exhaustive" else
+           f"{result.evaluated} of {result.space_size} evaluated by TPE; --budget {result.space_size} evaluates them all")
     return PlanError(f"no layout of {spec.name} fits {cluster.gpus} device(s) of {cluster.memory_gb:g} GB "
-                     f"({result.evaluated} evaluated); most common reason: {top}")
+                     f"({how}); most common reason: {top}")
 
 
 def cmd_plan(args: argparse.Namespace, console: Any) -> int:
