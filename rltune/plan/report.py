@@ -75,7 +75,10 @@ def rejections_text(result: PlanResult, most: int = 3) -> str:
 
 def _pct(a: float, b: float) -> str:
     """How much faster ``a`` is than ``b``, as a percentage of ``b`` (``+25%``)."""
-    return f"{(a / b - 1):+.0%}" if b > 0 else "n/a"
+    if b <= 0:
+        return "n/a"
+    gain = a / b - 1
+    return f"{gain:+.1%}" if abs(gain) < 0.01 else f"{gain:+.0%}"
 
 
 def _placement_reason(best: Plan, result: PlanResult) -> str:
