@@ -161,6 +161,22 @@ def measure_group(setup: Setup, root: Path, *, steps: int, threads: int, prompt:
     return [max(times) for times in zip(*ranks)]
 
 
+def _concurrent_reference(threads: int) -> float:
+    torch.set_num_threads(threads)
+    return SpeedReference(threads).seconds()
+
+
+def concurrency_slowdown(threads: int) -> float:
+    """How much two of this machine's devices slow each other: the reference step's
+    time in each of two processes running it at once (the slower) over its time in one
+    process alone. 1: independent devices, as the timing model assumes; 2: no faster
+    than one device."""
+    from rltune.learner.launch import spawn_learner_group
+
+    alone = SpeedReference(threads).seconds()
+    return max(spawn_learner_group(2, _concurrent_reference, threads, backend="gloo")) / alone
+
+
 def describe(setup: Setup, root: Path, *, prompt: int) -> tuple[ModelSpec, Workload, Candidate]:
     """The model, workload and candidate that describe ``setup`` (module docstring)."""
     from rltune.models.load import resolve_model
@@ -277,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     setups = SETUPS if args.configs == "all" else tuple(s for s in SETUPS if s.name in QUICK)
     rows = validate(setups, args.out, rounds=args.rounds, steps=args.steps, quick=not args.full_calibration)
     print(table(rows))
+    print(f"two devices at once run {concurrency_slowdown(1):.2f}x slower each than one alone")
 
 
 if __name__ == "__main__":
