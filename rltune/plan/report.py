@@ -12,7 +12,7 @@ import yaml
 
 from rltune.plan.errors import PlanError
 from rltune.plan.search import PlanResult
-from rltune.plan.spec import GB, Candidate, Cluster, Plan, StepTime, Workload
+from rltune.plan.spec import GB, Candidate, Cluster, Plan, StepTime
 
 COLUMNS = ("#", "layout", "stale", "mbt", "ckpt", "offload", "sync", "learner GB", "gen GB",
            "generate s", "learn s", "comm s", "sync s", "step s", "samples/s", "gen busy", "learn busy")
