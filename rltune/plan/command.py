@@ -130,7 +130,7 @@ def cmd_plan(args: argparse.Namespace, console: Any) -> int:
     from rltune.config import load_config
     from rltune.plan.catalogue import load_model_spec, param_count
     from rltune.plan.report import format_table, reasons, rejections_text, search_line, sections_yaml, to_json
-    from rltune.plan.report import config_sections, write_config
+    from rltune.plan.report import config_sections, runtime_notes, write_config
     from rltune.plan.search import default_space, plan
     from rltune.plan.workload import workload_from_config
 
@@ -147,12 +147,14 @@ def cmd_plan(args: argparse.Namespace, console: Any) -> int:
     if args.write is not None:
         write_config(args.config, result.plans[0], args.write, cluster)
     if args.json:
-        print(json.dumps(to_json(result, model=spec.name, params=param_count(spec), cluster=cluster, base=cfg), indent=1))
+        print(json.dumps(to_json(result, model=spec.name, params=param_count(spec), cluster=cluster, base=cfg,
+                                 work=work), indent=1))
     else:
         out = [f"{spec.name} ({param_count(spec) / 1e9:.2f} B parameters), {work.algo}: "
                f"{work.prompts_per_step} prompts x {work.group_size}, {work.prompt_tokens} + {work.completion_tokens} tokens, "
                f"{work.precision}", search_line(result, cluster), "", format_table(result.plans), "",
-               reasons(result), "", rejections_text(result), "", "# the best plan's config sections:",
+               reasons(result), *[f"note: {n}" for n in runtime_notes(result.plans[0], work)], "",
+               rejections_text(result), "", "# the best plan's config sections:",
                sections_yaml(config_sections(result.plans[0], cluster, cfg))]
         sys.stdout.write("\n".join(out))
     if args.write is not None:

@@ -12,7 +12,7 @@ import yaml
 
 from rltune.plan.errors import PlanError
 from rltune.plan.search import PlanResult
-from rltune.plan.spec import GB, Candidate, Cluster, Plan, StepTime
+from rltune.plan.spec import GB, Candidate, Cluster, Plan, StepTime, Workload
 
 COLUMNS = ("#", "layout", "stale", "mbt", "ckpt", "offload", "sync", "learner GB", "gen GB",
            "generate s", "learn s", "comm s", "sync s", "step s", "samples/s", "gen busy", "learn busy")
@@ -177,6 +177,22 @@ def reasons(result: PlanResult) -> str:
     return " ".join(p for p in parts if p)
 
 
+def runtime_notes(plan: Plan, work: Workload) -> list[str]:
+    """What the written config asks of the cluster beyond the plan's devices: on Ray, the
+    reference model of an online run with a KL term and PPO's critic are actors of their
+    own, each reserving a learner's resources (``rltune.runtime.ray.roles.model_roles``),
+    while the cost model holds them on the learner devices."""
+    if plan.candidate.gpus == 1:
+        return []
+    extra = [role for role, needed in (("reference model", work.generates and work.reference),
+                                       ("critic", work.critic)) if needed]
+    if not extra:
+        return []
+    return [f"on Ray, rltune runs the {' and the '.join(extra)} as actor(s) of their own, each reserving a "
+            f"learner's resources (runtime.placement.learner): the run needs {plan.candidate.gpus + len(extra)} "
+            f"devices, not {plan.candidate.gpus}; the memory and time above count them on the learner devices"]
+
+
 def _resources(gpus: float, cluster: Cluster | None) -> dict[str, float]:
     """A role's ``RoleResources``: on a CPU cluster one core and no GPU."""
     if cluster is not None and cluster.kind == "cpu":
@@ -280,7 +296,8 @@ def plan_json(p: Plan) -> dict[str, Any]:
             "problems": list(p.problems)}
 
 
-def to_json(result: PlanResult, *, model: str, params: int, cluster: Cluster, base: Any = None) -> dict[str, Any]:
+def to_json(result: PlanResult, *, model: str, params: int, cluster: Cluster, base: Any = None,
+            work: Workload | None = None) -> dict[str, Any]:
     """The answer as one JSON-able object: the model and its ``params``, whether any plan
     ``fits``, the best plan's ``memory_gb``, ``step_s``, ``samples_per_s`` and ``layout``
     at the top level, then the search's account, the ranked ``plans``, the rejection
@@ -296,4 +313,5 @@ def to_json(result: PlanResult, *, model: str, params: int, cluster: Cluster, ba
             "plans": [plan_json(p) for p in result.plans],
             "rejected": [{"reason": result.examples[k], "kind": k, "count": n} for k, n in result.rejected.items()],
             "reasons": reasons(result),
+            "notes": runtime_notes(best, work) if best is not None and work is not None else [],
             "config": config_sections(best, cluster, base) if best is not None else None}

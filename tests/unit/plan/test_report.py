@@ -124,3 +124,18 @@ def test_json():
     assert doc["rejected"] == [{"reason": "learner needs 94 GB per device at dp_shard=1, has 80",
                                 "kind": "learner needs # GB per device at dp_shard=#, has #", "count": 7}]
     assert doc["search"]["method"] == "exhaustive" and doc["config"]["runtime"]["mode"] == "ray"
+
+
+def test_notes_for_the_actors_rltune_adds_on_ray():
+    from rltune.plan.report import runtime_notes
+    from rltune.plan.spec import Workload
+
+    ppo = Workload(algo="ppo", generates=True, critic=True, reference=True, prompts_per_step=8, group_size=1,
+                   prompt_tokens=64, completion_tokens=64)
+    (note,) = runtime_notes(BEST, ppo)  # 12 devices planned, + reference + critic = 14
+    assert "the reference model and the critic as actor(s) of their own" in note and "needs 14 devices, not 12" in note
+    grpo = Workload(algo="grpo", generates=True, critic=False, reference=False, prompts_per_step=8, group_size=4,
+                    prompt_tokens=64, completion_tokens=64)
+    assert runtime_notes(BEST, grpo) == []
+    one = _plan(Candidate(learner=LearnerLayout(), colocate=True), decode=1, learn=1, step=3, sps=1)
+    assert runtime_notes(one, ppo) == []  # one process: the local runtime holds them all
