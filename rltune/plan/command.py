@@ -99,7 +99,7 @@ def cluster_and_efficiency(args: argparse.Namespace) -> tuple[Any, Any]:
                              args.inter_gbps, args.preset or "h100-80gb"), Efficiency()
 
 
-def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any) -> PlanError:
+def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any, engine: str = "vllm") -> PlanError:
     """The error for a cluster on which no layout fits: how many devices the learner alone
     would need when it is too few, else the most common reason."""
     from rltune.plan.memory import min_devices_to_fit
@@ -112,8 +112,12 @@ def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any) -> PlanError:
     top = next(iter(result.examples.values()), "no candidate")
     how = (f"all {result.space_size} evaluated" if result.method == "exhaustive" else
            f"{result.evaluated} of {result.space_size} evaluated by TPE; --budget {result.space_size} evaluates them all")
+    hint = ""
+    if engine != "vllm" and top.startswith("generator"):
+        hint = ("; rollout.engine: hf holds the whole model on one generator device, rollout.engine: vllm "
+                "lets the plan split it (rollout.vllm.tensor_parallel_size)")
     return PlanError(f"no layout of {spec.name} fits {cluster.gpus} device(s) of {cluster.memory_gb:g} GB "
-                     f"({how}); most common reason: {top}")
+                     f"({how}); most common reason: {top}{hint}")
 
 
 def cmd_plan(args: argparse.Namespace, console: Any) -> int:
@@ -143,7 +147,7 @@ def cmd_plan(args: argparse.Namespace, console: Any) -> int:
     result = plan(spec, work, cluster, eff, top=args.top, space=space, budget=args.budget, trials=args.trials,
                   seed=args.seed)
     if not result.plans:
-        raise nothing_fits(spec, work, cluster, result)
+        raise nothing_fits(spec, work, cluster, result, cfg.rollout.engine)
     if args.write is not None:
         write_config(args.config, result.plans[0], args.write, cluster)
     if args.json:

@@ -160,3 +160,13 @@ def test_a_plain_plan_loads_no_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", NO_TORCH, str(_llama_config(tmp_path))], capture_output=True,
                           text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH 0", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_no_layout_fits_with_the_hf_engine_says_why(tmp_path, capsys):
+    # llama-3.1-70b's learner fits 32 devices, but the hf engine holds the whole model (141 GB
+    # of bf16 weights) on one generator device of 80 GB
+    config = _llama_config(tmp_path)
+    config.write_text(config.read_text().replace("llama-3.1-8b", "llama-3.1-70b").replace("engine: vllm", "engine: hf"))
+    message = fails(capsys, ["plan", str(config), "--gpus", "32"])
+    assert "no layout of llama-3.1-70b fits 32 device(s) of 80 GB (all" in message
+    assert "generator needs" in message and "rollout.engine: vllm lets the plan split it" in message
