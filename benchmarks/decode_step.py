@@ -1,32 +1,35 @@
-"""CPU time of the lean decoder's one-token step, and of a whole generate call per token.
+"""CPU time of the lean decoder's one-token step, variants alternated in one process.
 
 Runs the GRPO benchmark's shapes (``--size 3m`` / ``25m``, the models of
-``grpo_vs_trl.py``; one 6-token prompt, a group of 8 rows, 32 new tokens) on one torch
-thread and reports per-thread CPU time (``time.thread_time``), which other processes on
-a shared machine disturb far less than wall-clock time. Medians over ``--repeats``:
+``grpo_vs_trl.py``; one 6-token prompt, a group of 8 rows, 32 new tokens, greedy) on one
+torch thread and reports CPU time of that thread (``time.thread_time``). The variants
+take turns generation by generation in one process, so that a shared machine's load,
+which moves CPU time too (another process on the sibling core, a thrashed cache), hits
+each alike; separate runs of each variant disagreed by up to 40 % under load.
 
-- ``step``: one :meth:`LeanDecoder.step` (8 rows, one token each), averaged over the
-  31 steps of a generation;
-- ``prefill``: building the decoder and its prefill (the fused weights are built there);
-- ``generate``: ``HFGenerator._decode`` (prefill, 32 sampling steps, bookkeeping), per
-  token.
+Variants: ``plain`` (``LeanDecoder(pack=False)``: on a CPU one ``F.linear`` per projection),
+``fused+packed`` (q/k/v and gate/up fused, on oneDNN-packed weights: the CPU float32
+default), and with
+``--baseline FILE`` the ``LeanDecoder`` of another tree's ``fastpath.py``::
 
-To compare two trees, run it with each first on ``PYTHONPATH``, interleaved::
+    git archive OLD rltune/rollout/fastpath.py | tar -x -C /tmp/old
+    python benchmarks/decode_step.py --size 3m --baseline /tmp/old/rltune/rollout/fastpath.py
 
-    git archive OLD rltune | tar -x -C /tmp/old
-    for i in 1 2; do PYTHONPATH=/tmp/old python benchmarks/decode_step.py --size 3m
-                     python benchmarks/decode_step.py --size 3m; done
-
-``--profile`` prints torch.profiler's operator table of the steps instead.
+Per variant, medians over ``--repeats`` generations: ``prefill`` (building the decoder
+and its prefill, where the weights are fused and packed), ``step`` (one of the 31
+one-token steps) and ``per token`` (the whole generation over its 32 tokens).
+``--profile`` prints torch.profiler's operator table of the default variant instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,63 +41,74 @@ ROWS = 8
 NEW_TOKENS = 32
 
 
-def one_generation(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
-    """(prefill seconds, seconds per step) of one lean generation, CPU time of this thread."""
-    from rltune.rollout.fastpath import LeanDecoder
-
+def one_generation(make: Callable[[], object], ids: torch.Tensor) -> tuple[float, float, float]:
+    """(prefill s, s per step, s per token overall) of one greedy generation."""
     start = time.thread_time()
-    decoder = LeanDecoder(model, max_new_tokens=NEW_TOKENS)
+    decoder = make()
     tokens = decoder.prefill(ids, torch.ones_like(ids), repeats=ROWS).argmax(-1)
     mid = time.thread_time()
     for _ in range(NEW_TOKENS - 1):
         tokens = decoder.step(tokens).argmax(-1)
-    return mid - start, (time.thread_time() - mid) / (NEW_TOKENS - 1)
+    end = time.thread_time()
+    return mid - start, (end - mid) / (NEW_TOKENS - 1), (end - start) / NEW_TOKENS
 
 
-def one_decode(generator: object, ids: torch.Tensor) -> float:
-    """Seconds per token of one ``HFGenerator._decode`` (sampling at temperature 1)."""
-    from rltune.data.records import SamplingParams
-
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=ROWS)
-    start = time.thread_time()
-    generator._decode(ids, torch.ones_like(ids), params, repeats=ROWS)
-    return (time.thread_time() - start) / NEW_TOKENS
+def baseline_decoder(path: Path) -> type:
+    """``LeanDecoder`` of the ``fastpath.py`` at ``path``, loaded as a module of its own."""
+    spec = importlib.util.spec_from_file_location("baseline_fastpath", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"--baseline {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module.LeanDecoder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(common.SIZES), default="3m")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--baseline", type=Path, help="another tree's rltune/rollout/fastpath.py")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from rltune.models.tiny import build_tiny
-    from rltune.rollout.hf import HFGenerator
+    from rltune.rollout.fastpath import LeanDecoder, can_pack
 
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny(Path(tmp), **common.SIZES[args.size])
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        generator = HFGenerator(model, AutoTokenizer.from_pretrained(tmp), rng=torch.Generator().manual_seed(0))
     ids = torch.tensor([[ord(c) for c in "20+16="]])  # the byte tokenizer's ids
+    variants: dict[str, Callable[[], object]] = {}
+    if args.baseline:
+        old = baseline_decoder(args.baseline)
+        variants["baseline"] = lambda: old(model, max_new_tokens=NEW_TOKENS)
+    variants["plain"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=False)
+    if can_pack(model.lm_head.weight):
+        variants["fused+packed"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=True)
     with torch.inference_mode():
         for _ in range(2):  # warm-up: allocator, oneDNN primitives
-            one_generation(model, ids)
+            for make in variants.values():
+                one_generation(make, ids)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(args.repeats):
-                    one_generation(model, ids)
+                    one_generation(lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS), ids)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
             return
-        runs = [one_generation(model, ids) for _ in range(args.repeats)]
-        decodes = [one_decode(generator, ids) for _ in range(args.repeats)]
-    print(f"{args.size}: step {statistics.median(r[1] for r in runs) * 1e6:8.1f} us, "
-          f"prefill {statistics.median(r[0] for r in runs) * 1e3:6.2f} ms, "
-          f"generate {statistics.median(decodes) * 1e6:8.1f} us/token "
-          f"(CPU time of one thread, {ROWS} rows, median of {args.repeats})", flush=True)
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, make in variants.items():
+                runs[name].append(one_generation(make, ids))
+    print(f"{args.size}, {ROWS} rows, {NEW_TOKENS} tokens, CPU time of one thread, medians of {args.repeats}")
+    for name, res in runs.items():
+        prefill, step, token = (statistics.median(r[i] for r in res) for i in range(3))
+        print(f"  {name:>13}: prefill {prefill * 1e3:6.2f} ms  step {step * 1e6:8.1f} us  "
+              f"per token {token * 1e6:8.1f} us", flush=True)
 
 
 if __name__ == "__main__":

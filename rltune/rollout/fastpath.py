@@ -29,7 +29,9 @@ one row of ``W`` times ``a``). On a CPU in float32 without autocast the four mat
 also reordered once into oneDNN's blocked layout for the decode's row count
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing uses),
 which runs an 8-row product 1.4-2x faster than ``F.linear`` on the same weights
-(``docs/performance.md``); only the float32 summation order changes. They are rebuilt
+(``docs/performance.md``); only the float32 summation order changes. On a CPU without
+packing (bf16, autocast) the products stay separate: concatenated but unpacked they were
+0-7 % slower there. They are rebuilt
 at every prefill, i.e. once per generate call, from the live parameters: in an RL loop
 the learner changes the weights between any two calls, and a cache keyed on tensor
 version counters would miss a fused AdamW step, which does not bump them (measured on
@@ -126,31 +128,45 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class _Projections:
+    """Several projections of one input: one product on their concatenated weights whose
+    output columns are split (``fuse``), or one product each."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None]], *, fuse: bool, pack: bool,
+                 rows: int) -> None:
+        if fuse:
+            biases = [b for _, b in pairs]
+            bias = None if biases[0] is None else torch.cat(biases)
+            self.linears = [_Linear(torch.cat([w for w, _ in pairs]), bias, pack=pack, rows=rows)]
+            self.split: list[int] | None = [w.shape[0] for w, _ in pairs]
+        else:
+            self.linears = [_Linear(w, b, pack=pack, rows=rows) for w, b in pairs]
+            self.split = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.split is not None:
+            return self.linears[0](x).split(self.split, dim=-1)
+        return tuple(linear(x) for linear in self.linears)
+
+
 @dataclass(frozen=True)
 class _Fused:
-    """One layer's projections for one generation: ``qkv`` (``[Hq D | Hkv D | Hkv D]``
-    output columns), ``o``, ``gate_up`` (``[I | I]``) and ``down``."""
+    """One layer's projections for one generation: ``qkv`` (q, k, v), ``o``,
+    ``gate_up`` (gate, up) and ``down``."""
 
-    qkv: _Linear
-    split: tuple[int, int, int]
+    qkv: _Projections
     o: _Linear
-    gate_up: _Linear
+    gate_up: _Projections
     down: _Linear
 
 
-def _cat_bias(*pairs: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor | None:
-    biases = [b for _, b in pairs]
-    return None if biases[0] is None else torch.cat(biases)
-
-
-def _fuse(layer: "_Layer", *, pack: bool, rows: int) -> _Fused:
-    """``layer``'s live weights, concatenated (and packed when ``pack``)."""
-    qkv = torch.cat([layer.q[0], layer.k[0], layer.v[0]])
+def _fuse(layer: "_Layer", *, fuse: bool, pack: bool, rows: int) -> _Fused:
+    """``layer``'s live weights for one generation: q/k/v and gate/up concatenated when
+    ``fuse``, each matrix packed when ``pack``."""
     return _Fused(
-        qkv=_Linear(qkv, _cat_bias(layer.q, layer.k, layer.v), pack=pack, rows=rows),
-        split=(layer.q[0].shape[0], layer.k[0].shape[0], layer.v[0].shape[0]),
+        qkv=_Projections([layer.q, layer.k, layer.v], fuse=fuse, pack=pack, rows=rows),
         o=_Linear(*layer.o, pack=pack, rows=rows),
-        gate_up=_Linear(torch.cat([layer.gate, layer.up]), None, pack=pack, rows=rows),
+        gate_up=_Projections([(layer.gate, None), (layer.up, None)], fuse=fuse, pack=pack, rows=rows),
         down=_Linear(layer.down, None, pack=pack, rows=rows),
     )
 
@@ -269,7 +285,10 @@ class LeanDecoder:
         # this generation's weights: the live parameters, fused (the compiled step reads
         # the parameters itself)
         pack = (self.pack if self.pack is not None else can_pack(self.embed)) and self.compiled is None
-        self.fused = [_fuse(layer, pack=pack, rows=rows * repeats) for layer in self.layers]
+        # on a CPU the concatenation pays only with packing (measured: without it the
+        # fused products are 0-7 % slower than separate ones); elsewhere it saves launches
+        fuse = pack or self.embed.device.type != "cpu"
+        self.fused = [_fuse(layer, fuse=fuse, pack=pack, rows=rows * repeats) for layer in self.layers]
         x = F.embedding(ids, self.embed)
         kv_heads = self.layers[0].k[0].shape[0] // self.head_dim
         shape = (rows, kv_heads, total, self.head_dim)
@@ -313,7 +332,7 @@ class LeanDecoder:
             a = rms_norm(h, layer.norm1, layer.eps1)
             h = h + self._attention(a, fused, keys, values, cos, sin, attend, start, end)
             m = rms_norm(h, layer.norm2, layer.eps2)
-            gate, up = fused.gate_up(m).chunk(2, dim=-1)
+            gate, up = fused.gate_up(m)
             h = h + fused.down(F.silu(gate) * up)
         return h
 
@@ -324,8 +343,7 @@ class LeanDecoder:
         """Grouped-query attention of ``a [R, T, H]`` over cache slots ``0:end``, after
         writing this call's keys and values into slots ``start:end``."""
         rows, length, _ = a.shape
-        q, k, v = (part.view(rows, length, -1, self.head_dim).transpose(1, 2)
-                   for part in fused.qkv(a).split(fused.split, dim=-1))
+        q, k, v = (part.view(rows, length, -1, self.head_dim).transpose(1, 2) for part in fused.qkv(a))
         keys[:, :, start:end] = rotate(k, cos, sin)
         values[:, :, start:end] = v
         q = rotate(q, cos, sin)

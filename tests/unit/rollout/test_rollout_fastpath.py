@@ -121,6 +121,26 @@ def test_an_optimizer_step_between_generations_is_seen(pack: bool) -> None:
     assert (after - before).abs().max() > 1e-2  # the step moved the logits
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_projections_equal_separate_ones(bias: bool) -> None:
+    """q/k/v in one product, split by columns, as a GPU decodes (fused, unpacked), against
+    one product each. Each output is the same dot product of 32 float32 terms; only the
+    kernel's blocking may change their order: a few ulps of values ~1 (1e-6); a column
+    taken from the wrong matrix is off by ~1."""
+    from rltune.rollout.fastpath import _Projections
+
+    gen = torch.Generator().manual_seed(9)
+    pairs = [(torch.randn(n, 32, generator=gen) / 32**0.5, torch.randn(n, generator=gen) if bias else None)
+             for n in (16, 8, 8)]
+    x = torch.randn(8, 1, 32, generator=gen)
+    fused = _Projections(pairs, fuse=True, pack=False, rows=8)(x)
+    separate = _Projections(pairs, fuse=False, pack=False, rows=8)(x)
+    assert [t.shape[-1] for t in fused] == [16, 8, 8]
+    for f, s, (w, b) in zip(fused, separate, pairs):
+        torch.testing.assert_close(f, s, atol=1e-6, rtol=0)
+        torch.testing.assert_close(s, torch.nn.functional.linear(x, w, b), atol=1e-6, rtol=0)
+
+
 def test_packing_is_refused_where_it_does_not_apply() -> None:
     model = build(CONFIGS["llama"]()).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"pack=True\) needs float32"):
