@@ -58,7 +58,7 @@ def search_line(result: PlanResult, cluster: Cluster) -> str:
     """How the answer was found: how many candidates, which method, how many fit."""
     how = ("every candidate priced" if result.method == "exhaustive" else
            f"Optuna TPE, {result.suggestions} trials (seed {result.seed}) and a climb over "
-           f"{result.climbed} one-knob changes from its 5 best")
+           f"{result.climbed} one-knob changes from its best plans of 5 role splits")
     return (f"{cluster.gpus} x {cluster.name} ({cluster.memory_gb:g} GB): {result.space_size:,} candidates, "
             f"{result.evaluated:,} evaluated ({how}); {result.fitting:,} of those fit")
 
