@@ -368,7 +368,7 @@ def grpo_learner(model: Any, budget: int = BUDGET) -> Any:
                         TrainConfig(lr=1e-6, micro_batch_tokens=budget))
 
 
-def speed_reference(repeats: int = 5) -> Callable[[], float]:
+def speed_reference(repeats: int = 9) -> Callable[[], float]:
     """A clock of the machine's speed: the median seconds of a fixed ``builtin:tiny``
     learner step (8 x (23 + 8) tokens). On a machine that other jobs load, speed drifts
     from one minute to the next; each probe group is scaled by this reference's time at
