@@ -125,12 +125,14 @@ def learner_forwards(spec: ModelSpec, work: Workload, cand: Candidate, cluster: 
                      passes: float) -> float:
     """Seconds of ``passes`` forward-equivalents over the step's batch on one learner rank:
     ``samples x sequence_flops / world`` at ``eff.train_mfu``, plus ``eff.layer_overhead_s``
-    per local layer per micro-batch per pass."""
+    per local layer per micro-batch per pass, plus ``eff.token_overhead_s`` per token per
+    local layer per pass (the element-wise work that grows with the tokens)."""
     linear, attention = sequence_flops(spec, work.tokens_per_sample)
     scale = passes * work.samples_per_step / cand.learner.world
     flops = compute_seconds(scale * linear, scale * attention, cluster, work.precision, eff.train_mfu)
     calls = passes * micro_batches(work, cand) * work.minibatches * _layers_local(spec, cand)
-    return flops + eff.layer_overhead_s * calls
+    tokens = scale * work.tokens_per_sample * _layers_local(spec, cand)
+    return flops + eff.layer_overhead_s * calls + eff.token_overhead_s * tokens
 
 
 def forward_backward(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
@@ -360,7 +362,8 @@ def generator_tp_comm(spec: ModelSpec, tokens: int, cand: Candidate, cluster: Cl
 def prefill(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds of one replica's prefill, compute-bound: each prompt once (a group's samples
     share its prefill), ``prompts x sequence_flops(P) / generator_tp`` at
-    ``eff.prefill_mfu``, plus one forward's layer overheads and TP all-reduces."""
+    ``eff.prefill_mfu``, plus one forward's layer overheads, its per-token overheads and
+    TP all-reduces."""
     if not work.generates:
         return 0.0
     prompts, _ = generator_batch(work, cand)
@@ -368,7 +371,8 @@ def prefill(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, 
     scale = prompts / cand.generator_tp
     flops = compute_seconds(scale * linear, scale * attention, cluster, work.rollout_precision, eff.prefill_mfu)
     comm = generator_tp_comm(spec, prompts * work.prompt_tokens, cand, cluster, eff, work.rollout_precision)
-    return flops + spec.layers * eff.layer_overhead_s + comm
+    per_token = eff.token_overhead_s * prompts * work.prompt_tokens * spec.layers / cand.generator_tp
+    return flops + spec.layers * eff.layer_overhead_s + per_token + comm
 
 
 def decode(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency) -> float:
@@ -377,7 +381,8 @@ def decode(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, e
     models the spread). Token ``t`` (context ``c = P + t``) takes
 
         max(bytes_t / (hbm x eff.decode_bandwidth), B x F(c) / tp / (peak x eff.decode_mfu))
-        + layers x eff.layer_overhead_s + 2 x layers TP all-reduces of B x hidden,
+        + layers x (eff.layer_overhead_s + B x eff.token_overhead_s / tp)
+        + 2 x layers TP all-reduces of B x hidden,
 
     ``bytes_t = weights / tp + B x kv_bytes_per_token x c / min(tp, kv_heads)`` (the KV
     heads split over TP). Both sides are affine in ``t``: summed in closed form."""
@@ -393,7 +398,8 @@ def decode(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, e
     f1 = catalogue.forward_flops_per_token(spec, 1) - f0  # FLOPs per token of context
     mem = (weights + kv * p, kv)
     flops = (batch * (f0 + f1 * p) / cmp_rate, batch * f1 / cmp_rate)
-    fixed = spec.layers * eff.layer_overhead_s + generator_tp_comm(spec, batch, cand, cluster, eff, prec)
+    fixed = spec.layers * (eff.layer_overhead_s + batch * eff.token_overhead_s / tp) \
+        + generator_tp_comm(spec, batch, cand, cluster, eff, prec)
     return sum_max_affine(*mem, *flops, work.completion_tokens) + work.completion_tokens * fixed
 
 

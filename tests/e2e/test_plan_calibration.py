@@ -55,9 +55,9 @@ def test_every_local_config_is_predicted_within_25_percent(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="while other jobs load this 2-core machine, two processes run up to 4x slower each than "
-                          "one alone (benchmarks/plan_validate.py concurrency_slowdown); the timing model assumes "
-                          "devices that do not slow each other (on the quiet machine: within 25 %)", strict=False)
 @pytest.mark.usefixtures("keep_torch_threads")
 def test_two_learner_processes_are_predicted_within_25_percent(tmp_path: Path) -> None:
+    """Set against the machine's speed with two devices busy (``validate``'s docstring):
+    on a shared 2-core machine two processes slow each other by 1.04x to 4x from minute
+    to minute, which is the machine's load, not the model's error."""
     _check(validation.validate(tuple(s for s in validation.SETUPS if s.learners == 2), tmp_path, rounds=2, steps=4))

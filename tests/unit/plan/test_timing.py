@@ -302,3 +302,21 @@ def test_scale_moe_decode_reads_the_active_experts() -> None:
     layout = Candidate(LearnerLayout(dp_shard=2, ep=4), generator_replicas=8, micro_batch_tokens=16384)
     t = timing.step_time(moe, _grpo_8b(1024), layout, Cluster(gpus=16), Efficiency())
     assert t.comm["ep"] > 0 and t.comm["fsdp"] > 0
+
+
+def test_the_per_token_overhead_grows_with_the_tokens_of_each_phase() -> None:
+    """``eff.token_overhead_s`` adds seconds per token per layer per forward-equivalent;
+    each phase's difference with and without it, worked by hand (1 ms a token-layer)."""
+    with_it = Efficiency(**(EFF.__dict__ | {"token_overhead_s": 1e-3}))
+    c = cand(dp_shard=2)
+    # learner: 3 passes x 8 samples / 2 ranks x 200 tokens x 10 layers x 1 ms = 24 s
+    diff = timing.learner_forwards(SPEC, WORK, c, CLUSTER, with_it, 3.0) - timing.learner_forwards(
+        SPEC, WORK, c, CLUSTER, EFF, 3.0)
+    assert diff == pytest.approx(24.0, rel=1e-9)
+    gen = cand(generator_tp=2, generator_replicas=1)
+    # prefill: 4 prompts x 100 tokens x 10 layers / tp 2 x 1 ms = 2 s
+    assert timing.prefill(SPEC, WORK, gen, CLUSTER, with_it) - timing.prefill(SPEC, WORK, gen, CLUSTER, EFF) \
+        == pytest.approx(2.0, rel=1e-9)
+    # decode: 100 tokens x 10 layers x 8 sequences / tp 2 x 1 ms = 4 s
+    assert timing.decode(SPEC, WORK, gen, CLUSTER, with_it) - timing.decode(SPEC, WORK, gen, CLUSTER, EFF) \
+        == pytest.approx(4.0, rel=1e-9)
