@@ -100,7 +100,8 @@ def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 class ChunkedHead(nn.Module):
     """The stand-in ``lm_head`` of one forward (:func:`chunked_head`). It receives the
-    hidden states ``[B, C + 1, H]`` at positions ``P - 1 .. T - 1`` (``logits_to_keep``),
+    hidden states ``[B, C + 1, H]`` at positions ``P - 1 .. T - 1`` (``logits_to_keep``;
+    ``[B, C, H]`` when the forward left out the last column),
     stores ``(logprobs, entropy)`` ``[B, C]`` in :attr:`result` and returns a width-0
     tensor in place of the logits. :attr:`width` is the number of positions it received
     (a model that ignores ``logits_to_keep`` hands it all ``T``)."""
@@ -117,8 +118,8 @@ class ChunkedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.width = hidden.shape[1]
-        if self.width == self.targets.shape[1] + 1:
-            self.result = self.stats(hidden[:, :-1])
+        if self.width in (self.targets.shape[1], self.targets.shape[1] + 1):  # without or with the last column
+            self.result = self.stats(hidden[:, : self.targets.shape[1]])
         return hidden[..., :0]
 
     def stats(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -66,6 +66,21 @@ def body_hidden_states(
     ).last_hidden_state
 
 
+def causal_suffices(attention_mask: torch.Tensor) -> bool:
+    """True when no row of ``attention_mask`` ``[B, T]`` has left padding (each row is
+    ones then zeros). A causal mask then gives every attended position the same keys as
+    the padding mask (right padding only follows it), so the model can run without the
+    mask (the SDPA causal kernel, no ``[B, 1, T, T]`` mask built); the padded positions'
+    outputs differ, and nothing reads them. One host sync: the choice is made on the host."""
+    ones_then_zeros = attention_mask[:, 0].bool().all() & (attention_mask.diff(dim=1) <= 0).all()
+    return bool(ones_then_zeros)
+
+
+def _arange_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` positions ``0 .. T - 1`` in every row."""
+    return torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[target]`` as ``logits[target] - logsumexp(logits)``.
 
@@ -118,24 +133,33 @@ def completion_logprobs(
     ``train.logprob_chunk_tokens`` (:func:`~rltune.models.chunked.set_logprob_chunk_tokens`).
     """
     _check_inputs(input_ids, attention_mask, prompt_len, temperature)
-    extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
+    moe = is_moe(model)
+    extra = {"output_router_logits": True} if output_router_logits and moe else {}
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
+    # A dense model never runs the last column: its hidden state predicts past the end and
+    # no earlier position attends to it. An MoE model keeps it (its router loss, load
+    # counts and recorded routes cover every token).
+    ids, mask = (input_ids, attention_mask) if moe else (input_ids[:, :-1], attention_mask[:, :-1])
+    keep = ids.shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (MoE) or C
+    causal = not moe and causal_suffices(mask)
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
     with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed, \
             head as stand_in:
         out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
+            input_ids=ids,
+            attention_mask=None if causal else mask,
+            # without left padding the attended positions are 0, 1, ...; 0 .. T - 2 for all
+            # columns (unlike the mask's, flat over the right padding) tell the model that a
+            # row is one sequence, not packed ones, so it needs no mask at all
+            position_ids=_arange_positions(mask) if causal else position_ids_from_mask(mask),
             use_cache=False,
-            # C + 1 positions: P - 1 .. T - 1; the last predicts past the end and is dropped.
-            logits_to_keep=targets.shape[1] + 1,
+            logits_to_keep=keep,
             **extra,
         )
-    _check_width(model, out.logits.shape[1] if stand_in is None else stand_in.width, targets.shape[1] + 1)
+    _check_width(model, out.logits.shape[1] if stand_in is None else stand_in.width, keep)
     logprobs, entropy = stand_in.result if stand_in is not None else _token_stats(
-        out.logits[:, :-1].float() / temperature, targets, valid, with_entropy)  # [B, C, V] logits
+        out.logits[:, : targets.shape[1]].float() / temperature, targets, valid, with_entropy)  # [B, C, V] logits
     aux_loss = out.aux_loss if extra else None
     # installed routers count the experts they actually chose (replayed, biased)
     load = routed.load if routed.load is not None or not extra else expert_load(

@@ -118,14 +118,15 @@ def test_position_ids_ignore_left_padding() -> None:
 
 
 def test_lm_head_sees_only_completion_positions(model_dirs) -> None:
-    """Full logits: the C + 1 positions ``logits_to_keep`` asks for; chunked (the default):
+    """Full logits: the C positions ``logits_to_keep`` asks for (a dense model's forward
+    leaves out the last column, whose prediction is past the end); chunked (the default):
     only the attended completion tokens (11 of them), a chunk at a time."""
     model = load_model(str(model_dirs["qwen2"]))
     shapes = []
     model.get_output_embeddings().register_forward_hook(lambda m, i, o: shapes.append(i[0].shape))
     ids, mask = _batch()
     completion_logprobs(model, ids, mask, P, chunk_tokens=0)
-    assert shapes == [torch.Size([3, C + 1, 32])]
+    assert shapes == [torch.Size([3, C, 32])]
     shapes.clear()
     completion_logprobs(model, ids, mask, P)
     assert shapes == [torch.Size([sum(COMPLETION_LENS), 32])]
