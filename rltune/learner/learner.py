@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import sys
 
 import torch
 
@@ -21,6 +23,41 @@ from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
 from rltune.models.routing import agreement_metrics, expert_load_metrics, update_routing_bias
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's ``mallopt`` parameters (``<malloc.h>``)."""
+
+HEAP_KEEP_BYTES = 1 << 30
+"""Free memory at the top of the heap that glibc keeps instead of handing it back."""
+
+MMAP_ABOVE_BYTES = 32 << 20
+"""Blocks at least this large come from ``mmap`` (glibc's ceiling for the threshold on a 64-bit host)."""
+
+
+def keep_freed_heap() -> bool:
+    """Let glibc's ``malloc`` reuse the memory a train step frees in the next step, rather
+    than returning it to the kernel and taking it back page by page.
+
+    A CPU step allocates and frees the same activations every time (at 3 M parameters
+    about 1.2 MB each). With glibc's defaults (a dynamic mmap threshold from 128 kB, and
+    a trim threshold twice it) such blocks are often mapped and unmapped, or trimmed off
+    the heap, each step: about 1,300-1,800 page faults a step (5-7 MB zero-filled by the
+    kernel) in the GRPO benchmark's learner, some 3-5 ms of its ~85 ms. Fixing both
+    thresholds (``mallopt(3)``: ``M_MMAP_THRESHOLD`` 32 MB, ``M_TRIM_THRESHOLD`` 1 GB)
+    leaves about 1 fault a step. The cost is that the process keeps its peak heap. It
+    applies to the whole process; values do not change. Returns whether it was applied:
+    only on Linux with glibc (other C libraries have no such parameters)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl names its library otherwise)
+        return False
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_ABOVE_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
 class NonFiniteError(RuntimeError):
@@ -53,6 +90,7 @@ class LocalLearner:
         skip_zero_advantage: bool = False,
     ) -> None:
         self.parallelism = parallelism if parallelism is not None else NoParallelism()
+        keep_freed_heap()  # a step's activations reuse the last step's memory, without page faults
         if cfg.precision == "fp8":  # the float8 linears replace nn.Linear before any wrapper sees them
             convert_fp8(model)
         prepare_memory(model, cfg, self.parallelism)  # activation checkpointing, offload: before wrapping

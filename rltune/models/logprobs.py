@@ -17,7 +17,7 @@ import torch
 
 from rltune.models.chunked import chunked_head, logprob_chunk_tokens
 from rltune.models.load import is_moe
-from rltune.models.routing import routing_pass
+from rltune.models.routing import installed_routers, routing_pass
 from rltune.models.vocab_parallel import vocab_parallel_token_stats, vocab_shard
 
 
@@ -133,16 +133,16 @@ def completion_logprobs(
     ``train.logprob_chunk_tokens`` (:func:`~rltune.models.chunked.set_logprob_chunk_tokens`).
     """
     _check_inputs(input_ids, attention_mask, prompt_len, temperature)
-    moe = is_moe(model)
-    extra = {"output_router_logits": True} if output_router_logits and moe else {}
+    extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
-    # A dense model never runs the last column: its hidden state predicts past the end and
-    # no earlier position attends to it. An MoE model keeps it (its router loss, load
-    # counts and recorded routes cover every token).
-    ids, mask = (input_ids, attention_mask) if moe else (input_ids[:, :-1], attention_mask[:, :-1])
-    keep = ids.shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (MoE) or C
-    causal = not moe and causal_suffices(mask)
+    # The last column is never run: its hidden state predicts past the end and no earlier
+    # position attends to it. Unless the routing is read: the router loss, the load counts
+    # and the recorded routes cover every token.
+    whole = bool(extra) or routes is not None or bool(installed_routers(model))
+    ids, mask = (input_ids, attention_mask) if whole else (input_ids[:, :-1], attention_mask[:, :-1])
+    keep = ids.shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
+    causal = not whole and causal_suffices(mask)
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
     with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed, \
             head as stand_in:
