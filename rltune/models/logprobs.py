@@ -76,9 +76,22 @@ def causal_suffices(attention_mask: torch.Tensor) -> bool:
     return bool(ones_then_zeros)
 
 
-def _arange_positions(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` positions ``0 .. T - 1`` in every row."""
-    return torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
+def _forward_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, whole: bool
+                    ) -> dict[str, torch.Tensor | None]:
+    """The ids, mask and positions the model's forward gets.
+
+    The last column is left out unless ``whole``: its hidden state predicts past the end
+    and no earlier position attends to it (``whole`` when the routing is read: the router
+    loss, the load counts and the recorded routes cover every token). Without left padding
+    (:func:`causal_suffices`) there is no mask, and the positions are ``0 .. T - 2`` in
+    every row: the attended ones are those of the mask, and, unlike the mask's (flat over
+    the right padding), they tell the model that a row is one sequence, not packed ones,
+    so it builds no mask at all (SDPA's causal kernel)."""
+    ids, mask = (input_ids, attention_mask) if whole else (input_ids[:, :-1], attention_mask[:, :-1])
+    if not whole and causal_suffices(mask):
+        positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
+        return {"input_ids": ids, "attention_mask": None, "position_ids": positions}
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -119,7 +132,8 @@ def completion_logprobs(
     engine log-probs depend on it); it must be positive.
 
     ``position_ids`` come from ``attention_mask`` (:func:`position_ids_from_mask`), so left
-    padding does not shift positions. With ``output_router_logits`` an MoE model also
+    padding does not shift positions. The forward leaves out the last column, and without
+    left padding the mask (:func:`_forward_inputs`): the same log-probs, less work. With ``output_router_logits`` an MoE model also
     returns its router load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6,
     over the attended tokens of the whole sequence) as ``aux_loss``; a dense model None.
 
@@ -136,27 +150,13 @@ def completion_logprobs(
     extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
-    # The last column is never run: its hidden state predicts past the end and no earlier
-    # position attends to it. Unless the routing is read: the router loss, the load counts
-    # and the recorded routes cover every token.
     whole = bool(extra) or routes is not None or bool(installed_routers(model))
-    ids, mask = (input_ids, attention_mask) if whole else (input_ids[:, :-1], attention_mask[:, :-1])
-    keep = ids.shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
-    causal = not whole and causal_suffices(mask)
+    inputs = _forward_inputs(input_ids, attention_mask, whole=whole)
+    keep = inputs["input_ids"].shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
     with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed, \
             head as stand_in:
-        out = model(
-            input_ids=ids,
-            attention_mask=None if causal else mask,
-            # without left padding the attended positions are 0, 1, ...; 0 .. T - 2 for all
-            # columns (unlike the mask's, flat over the right padding) tell the model that a
-            # row is one sequence, not packed ones, so it needs no mask at all
-            position_ids=_arange_positions(mask) if causal else position_ids_from_mask(mask),
-            use_cache=False,
-            logits_to_keep=keep,
-            **extra,
-        )
+        out = model(**inputs, use_cache=False, logits_to_keep=keep, **extra)
     _check_width(model, out.logits.shape[1] if stand_in is None else stand_in.width, keep)
     logprobs, entropy = stand_in.result if stand_in is not None else _token_stats(
         out.logits[:, : targets.shape[1]].float() / temperature, targets, valid, with_entropy)  # [B, C, V] logits
