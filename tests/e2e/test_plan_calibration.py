@@ -33,7 +33,7 @@ def _check(rows: list[dict]) -> None:
 
 
 @pytest.mark.usefixtures("keep_torch_threads")
-def test_two_local_runs_staleness_0_and_1_are_predicted_within_25_percent(tmp_path: Path) -> None:
+def test_two_local_runs_of_two_sizes_are_predicted_within_25_percent(tmp_path: Path) -> None:
     setups = tuple(s for s in validation.SETUPS if s.name in validation.QUICK)
     _check(validation.validate(setups, tmp_path, rounds=1, steps=6))
     # the calibration file the rounds used: versioned, the machine described, constants fitted

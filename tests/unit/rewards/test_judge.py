@@ -24,9 +24,12 @@ from rltune.rewards.judge import JudgeError, llm_judge, parse_score, prompt_text
 
 KEY_ENV, KEY = "RLTUNE_TEST_JUDGE_KEY", "sekrit-123"
 FAST = {"backoff_s": 0.01, "timeout_s": 5.0}
-GATHER_S = 4.0
-"""How long the server holds a "gather-N" request for the rest of its batch (below the
-client's timeout; the longer, the less a loaded machine can split a batch)."""
+GATHER_S = 25.0
+"""How long the server holds a "gather-N" request for the rest of its batch (below
+GATHER_TIMEOUT_S, the client's timeout in those tests; the longer, the less a loaded
+machine can split a batch: at 4 s a loaded 2-core machine once delivered a batch's third
+request after its first had given up). Only a split batch waits this long."""
+GATHER_TIMEOUT_S = 30.0
 SLOW_S = 30.0
 """How long the server holds a "slow" request unless the test lets it go first (far beyond
 any client timeout used here: a client that waited for the answer would get a score)."""
@@ -248,11 +251,13 @@ def test_requests_overlap_up_to_the_concurrency(server) -> None:
     # The server holds requests back until 8 have arrived (or GATHER_S pass) and counts
     # how many it holds at once: sent together, all 8 are in flight together; sent one
     # after another, never more than 1 (and each waits GATHER_S).
-    got = judge(server, prompts(8), ["x" * i for i in range(8)], mode="gather-8", concurrency=8)
+    got = judge(server, prompts(8), ["x" * i for i in range(8)], mode="gather-8", concurrency=8,
+                timeout_s=GATHER_TIMEOUT_S)
     assert got == [i / 10 for i in range(8)]
     assert server.max_in_flight == 8
     server.reset()  # a client that ignored the limit would have all 6 in flight at once
-    judge(server, prompts(6), ["x" * i for i in range(6)], mode="gather-3", concurrency=3)
+    judge(server, prompts(6), ["x" * i for i in range(6)], mode="gather-3", concurrency=3,
+          timeout_s=GATHER_TIMEOUT_S)
     assert server.max_in_flight == 3
 
 
