@@ -13,12 +13,12 @@ the calibration's threads, 1 here, so this 2-core machine is a cluster of 2 devi
 * local, ``runtime.max_staleness: 0``: the generator runs on the learner's module, in
   turn with it, on one device: ``Candidate(colocate=True)``;
 * local, ``runtime.max_staleness: 1``: a producer thread generates the next batch on a
-  copy of the model while the learner learns. Both threads are in one Python process and
-  take turns on its interpreter lock; at these model sizes most of a step is Python (per
-  layer and per token overheads), so the two mostly take turns, as on one device:
-  ``Candidate(colocate=True, max_staleness=1)``. (Measured on the idle 2-core machine,
-  ``train.threads=1``: 0.351 s a step against 0.368 s at staleness 0, 4 % faster; each
-  thread on its own device would have hidden the whole generation, 20 %.)
+  copy of the model while the learner learns, each with its own share of the cores
+  (``rollout.threads``, ``train.threads``): a generator on one device and a learner on the
+  other, ``Candidate(colocate=False, max_staleness=1)``, the weights copied between them
+  after each step. (Before the threads were split, the two shared one OpenMP team and
+  mostly took turns: 0.351 s a step against 0.368 s at staleness 0.) How far they overlap
+  depends on a free core for each: on a machine busy with other work they take turns again.
 * two learner processes: a gloo group of two ranks (DDP), each on one core, learning a
   fixed GRPO batch (no generation): ``LearnerLayout(dp_replicate=2)`` and a workload
   that does not generate.
@@ -200,8 +200,10 @@ def describe(setup: Setup, root: Path, *, prompt: int) -> tuple[ModelSpec, Workl
     layout = LearnerLayout(dp_replicate=setup.learners)
     if setup.learners > 1:
         return spec, replace(work, generates=False), Candidate(layout, micro_batch_tokens=cfg.train.micro_batch_tokens)
-    # one process: generator and learner take turns (module docstring), whatever the staleness
-    cand = Candidate(layout, colocate=True, max_staleness=setup.staleness,
+    # staleness 0: generator and learner take turns on the process's device; staleness 1:
+    # the producer thread generates on a core of its own while the learner learns on the
+    # other (rollout.threads and train.threads split the cores), weights copied between them
+    cand = Candidate(layout, colocate=setup.staleness == 0, max_staleness=setup.staleness,
                      micro_batch_tokens=cfg.train.micro_batch_tokens)
     return spec, work, cand
 
