@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from rltune.parallel.layout import Layout
+
 GB = 1e9
+
+LearnerLayout = Layout
+"""The learner group's degrees (``train.parallel``; their product is its size): the same
+record ``rltune train`` checks a layout with, so a plan's layout is one it accepts."""
 
 
 @dataclass(frozen=True)
@@ -119,27 +125,6 @@ class Workload:
     @property
     def tokens_per_sample(self) -> int:
         return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class LearnerLayout:
-    """The learner group's degrees (``train.parallel``); their product is its size."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.ep
-
-    @property
-    def data_world(self) -> int:
-        """Ranks that train on different rows."""
-        return self.dp_replicate * self.dp_shard * self.ep
 
 
 @dataclass(frozen=True)
