@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from rltune.data.records import Prompt, Rollout, TrainBatch
+from rltune.data.records import Prompt, Rollout, TrainBatch, VisionInputs
 
 
 def left_pad(seqs: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,14 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> TrainBatch:
         ),
         versions=torch.tensor([r.policy_version for r in rollouts]),
         routes=collate_routes(rollouts, prompt_len),
+        vision=row_vision([r.vision for r in rollouts]),
     )
+
+
+def row_vision(per_row: Sequence[VisionInputs | None]) -> list[VisionInputs | None] | None:
+    """``TrainBatch.vision`` from each row's pixel inputs: the list, or None when no row
+    has images."""
+    return list(per_row) if any(v is not None for v in per_row) else None
 
 
 def collate_routes(rollouts: Sequence[Rollout], prompt_len: int) -> torch.Tensor | None:
@@ -95,6 +102,7 @@ def collate_sft(prompts: Sequence[Prompt], pad_id: int) -> TrainBatch:
         attention_mask=attention_mask,
         prompt_len=prompt_len,
         loss_mask=attention_mask[:, prompt_len:].float(),
+        vision=row_vision([p.vision for p in prompts]),
     )
 
 
@@ -137,4 +145,5 @@ def collate_pairs(
         prompt_len=prompt_len,
         loss_mask=attention_mask[:, prompt_len:].float(),
         ref_seq_logps=None if ref_logps is None else ref_logps.float().reshape(-1),
+        vision=row_vision([p.vision for p in prompts for _ in range(2)]),
     )

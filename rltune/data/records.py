@@ -12,6 +12,28 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt, as the dataset gave it.
+
+    ``data`` is the encoded file (PNG, JPEG, ...) exactly as read, ``digest`` the first 16
+    hex digits of its SHA-256 (the name a run directory stores it under, once per image),
+    ``source`` where it came from, for messages and ``samples.jsonl``: the file's path, or
+    ``"row N, image K (bytes)"`` / ``"row N, image K (data URI)"`` for inline images.
+    """
+
+    source: str
+    digest: str
+    data: bytes = field(repr=False)
+
+
+VisionInputs = dict[str, torch.Tensor]
+"""What a vision-language model's processor returns for one prompt besides ``input_ids`` and
+``attention_mask`` (``pixel_values``, ``image_grid_thw``, ...). Every tensor holds the
+prompt's images (or their patches) along dim 0, so the inputs of several prompts are
+their concatenation along dim 0 (:func:`rltune.models.vision.batch_vision_inputs`)."""
+
+
 @dataclass
 class Prompt:
     """One task instance.
@@ -20,6 +42,10 @@ class Prompt:
     (raw text, used as-is) is set. ``meta`` carries what reward functions need (``answer``,
     ``tests``, ...) and is passed to them as keyword arguments. ``input_ids`` is the rendered,
     tokenised prompt, filled once when the dataset is loaded.
+
+    Prompts with images (vision-language models) also carry ``images``, the images in the
+    order their tokens appear in ``input_ids``, and ``vision``, the processor's pixel
+    inputs rendered once with ``input_ids``; both None for text prompts.
     """
 
     id: str
@@ -27,6 +53,8 @@ class Prompt:
     text: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     input_ids: list[int] | None = None
+    images: list[PromptImage] | None = None
+    vision: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.text is None):
@@ -86,6 +114,11 @@ class Rollout:
     """MoE models: ``[P_i + L, layers, k]`` int16, the experts each token of
     ``prompt_ids`` then ``completion_ids`` was routed to in every MoE layer when it was
     generated, -1 where none was (:mod:`rltune.models.routing`); None when not recorded."""
+    images: list[PromptImage] | None = None
+    """The prompt's images (vision-language prompts), shared with the :class:`Prompt`."""
+    vision: VisionInputs | None = None
+    """The prompt's pixel inputs, the same object as the :class:`Prompt`'s (never copied per
+    sample); the learner's forward takes them with ``prompt_ids``."""
 
 
 @dataclass
@@ -117,6 +150,9 @@ class TrainBatch:
     routes: torch.Tensor | None = None  # [B, T, L, k] int16
     """MoE routing replay: per token of ``input_ids`` (aligned with it, not with the
     completion) and MoE layer, the experts the generator chose; -1 where none."""
+    vision: list[VisionInputs | None] | None = None
+    """Vision-language batches: per row, its prompt's pixel inputs (None for a row without
+    images; rows of one group share the object); None when no row has images."""
 
     @property
     def completion_len(self) -> int:
@@ -132,6 +168,7 @@ class TrainBatch:
             attention_mask=self.attention_mask[rows],
             prompt_len=self.prompt_len,
             loss_mask=self.loss_mask[rows],
+            vision=_select_rows(self.vision, rows),
             **{
                 name: (None if getattr(self, name) is None else getattr(self, name)[rows])
                 for name in _OPTIONAL_ROW_FIELDS
@@ -161,6 +198,7 @@ class TrainBatch:
                 for name in _OPTIONAL_ROW_FIELDS if name != "routes"
             },
             routes=None if self.routes is None else self.routes[:, cols],
+            vision=self.vision,
         )
 
 
@@ -181,3 +219,16 @@ def _trim_field(t: torch.Tensor | None, per_tok: slice) -> torch.Tensor | None:
     if t is None or t.dim() == 1:
         return t
     return t[:, per_tok]
+
+
+def _select_rows(values: list[Any] | None, rows: torch.Tensor | slice) -> list[Any] | None:
+    """``values[rows]`` for a per-row list, with ``rows`` a slice, an index tensor or a
+    boolean mask as tensor indexing takes them."""
+    if values is None:
+        return None
+    if isinstance(rows, slice):
+        return values[rows]
+    rows = torch.as_tensor(rows)
+    if rows.dtype == torch.bool:
+        rows = rows.nonzero().flatten()
+    return [values[int(i)] for i in rows.reshape(-1)]
