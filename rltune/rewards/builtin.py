@@ -81,6 +81,42 @@ def exact_numeric(
     return 1.0 if _to_decimal(numbers_found[-1]) == expected else 0.0
 
 
+@verifier
+def exact_text(
+    prompt: Prompt,
+    completion: str,
+    *,
+    answer: str | int | None = None,
+    **_: object,
+) -> float | None:
+    """1.0 if the completion, normalised, equals ``answer``, normalised; else 0.0.
+
+    Normalising strips the ends, lower-cases (``str.casefold``), joins runs of whitespace
+    into one space and drops one final ``.``: ``" Blue."`` equals ``"blue"``, but
+    ``"blue, I think"`` and ``"dark blue"`` do not. For short closed answers (a word, a
+    yes/no, a count); use :func:`exact_numeric` where numbers may be written differently.
+
+    A missing ``answer``, or one that is neither a string nor an integer, raises ValueError
+    (a data problem: the sample is not scored).
+    """
+    if answer is None:
+        raise ValueError(
+            f"prompt {prompt.id!r}: exact_text needs an `answer` in the prompt's meta "
+            "(the dataset row) or in the reward's kwargs"
+        )
+    if isinstance(answer, bool) or not isinstance(answer, (str, int)):
+        raise ValueError(
+            f"prompt {prompt.id!r}: exact_text's answer must be a string or an integer, "
+            f"got {type(answer).__name__} {answer!r}"
+        )
+    return 1.0 if _normal_text(completion) == _normal_text(str(answer)) else 0.0
+
+
+def _normal_text(text: str) -> str:
+    text = " ".join(text.split()).casefold()
+    return text[:-1].rstrip() if text.endswith(".") else text
+
+
 def format_regex(prompt: Prompt, completion: str, *, pattern: str, **_: object) -> float:
     """1.0 if the whole stripped completion matches ``pattern``, else 0.0.
 
