@@ -15,12 +15,12 @@ from rich.markup import escape
 
 from rltune.data.records import Prompt, Rollout, TrainBatch
 from rltune.metrics import keys
-from rltune.metrics.sinks import ConsoleProgress, JsonlWriter
+from rltune.metrics.sinks import ConsoleProgress
 from rltune.metrics.types import Aggregator, Last, Metric, Sum
 from rltune.runtime.clock import StepClock
 from rltune.runtime.parts import Run
 from rltune.runtime.reward_errors import RewardErrorLimit, RewardErrorWatch
-from rltune.runtime.sinks import MetricSinks, open_sinks
+from rltune.runtime.sinks import MetricSinks, SampleLog, open_sinks
 from rltune.runtime.state import restore, save
 
 
@@ -32,7 +32,7 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
     restored = restore(run)
     resume_after = run.step if restored else None
     notes = [*run.spec.notes, *restored.lines(cfg.train.steps)]
-    samples_log = JsonlWriter(run.run_dir / "samples.jsonl", resume_after_step=resume_after)
+    samples_log = SampleLog(run.run_dir, resume_after_step=resume_after)
     metrics_log = open_sinks(cfg, run.run_dir, resume_after_step=resume_after)
     stopped: RewardErrorLimit | None = None
     try:
@@ -50,7 +50,7 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
 
 
 def _train_steps(
-    run: Run, stop_after: int | None, metrics_log: MetricSinks, samples_log: JsonlWriter, notes: list[str]
+    run: Run, stop_after: int | None, metrics_log: MetricSinks, samples_log: SampleLog, notes: list[str]
 ) -> bool:
     """The steps of :func:`train`, with the evaluations before and after; returns whether
     any step ran. ``notes`` are printed first (what was resumed or moved aside)."""
@@ -81,7 +81,7 @@ def _train_steps(
     return ran
 
 
-def train_step(run: Run, samples_log: JsonlWriter, *, watch: RewardErrorWatch | None = None) -> dict[str, Metric]:
+def train_step(run: Run, samples_log: SampleLog, *, watch: RewardErrorWatch | None = None) -> dict[str, Metric]:
     """One step: take a batch from the run's source (generated and scored when the
     algorithm is online), learn on it, publish the new weights. Returns the step's
     metrics, typed. ``watch`` is shown the step's rollouts (reward errors on the console)."""
@@ -154,7 +154,7 @@ def _log_eval(run: Run, bar: ConsoleProgress, log: MetricSinks) -> None:
 
 
 def _write_samples(
-    log: JsonlWriter, step: int, prompts: list[Prompt], rollouts: list[Rollout], limit: int | None
+    log: SampleLog, step: int, prompts: list[Prompt], rollouts: list[Rollout], limit: int | None
 ) -> None:
     by_id = {p.id: p for p in prompts}
     for r in rollouts[:limit] if limit is not None else rollouts:
@@ -162,7 +162,7 @@ def _write_samples(
         log.write({
             "step": step,
             "prompt_id": r.prompt_id,
-            "prompt": prompt.text if prompt.text is not None else prompt.messages,
+            "prompt": log.prompt_record(prompt),
             "completion": r.text,
             "reward": r.reward,
             "rewards": r.rewards,
@@ -171,6 +171,7 @@ def _write_samples(
             "finish_reason": r.finish_reason,
             "length": len(r.completion_ids),
             "policy_version": r.policy_version,
+            **({} if not prompt.images else {"images": log.image_refs(prompt.images)}),
             **({} if r.turns is None else {
                 "turns": r.turns,
                 "trained_tokens": int(r.loss_mask.sum()),

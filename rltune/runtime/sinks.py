@@ -6,6 +6,9 @@ scalars and histograms and handed to every sink.
 stops the run. An optional sink that fails while the run trains (a full disk under its
 own directory, a tracking server gone away) is reported once and closed, and training
 goes on; one that cannot be opened at the start is an error, before any step runs.
+
+``samples.jsonl`` is written through :class:`SampleLog`, which also stores the images of
+a vision-language run's prompts, once each, under ``images/`` (:mod:`rltune.metrics.images`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rltune.config.schema import Config
+from rltune.data.records import Prompt, PromptImage
+from rltune.metrics.images import ImageStore
 from rltune.metrics.sinks import JsonlWriter
 from rltune.metrics.types import MetricLike, histograms, scalars
 
@@ -71,6 +76,43 @@ class MetricSinks:
                     sink.close()
                 except Exception:  # noqa: BLE001 - already reported
                     pass
+
+
+class SampleLog:
+    """``samples.jsonl`` (truncated to ``resume_after_step`` when resuming) and the run's
+    ``images/`` folder, which a resumed run keeps: images already there are not written
+    again."""
+
+    def __init__(self, run_dir: Path, *, resume_after_step: int | None) -> None:
+        self.jsonl = JsonlWriter(run_dir / "samples.jsonl", resume_after_step=resume_after_step)
+        self.images = ImageStore(run_dir)
+
+    def image_refs(self, images: list[PromptImage]) -> list[dict[str, str]]:
+        """``{"path", "source"}`` for each image, in order; ``path`` (``images/<digest>.<ext>``,
+        relative to the run directory) is written the first time an image is referred to."""
+        return [{"path": self.images.add(image.digest, image.data), "source": image.source} for image in images]
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(record)
+
+    @staticmethod
+    def prompt_record(prompt: Prompt) -> str | list[dict[str, Any]]:
+        """The prompt as ``samples.jsonl`` holds it: the text, or the messages with each
+        image part written as ``{"type": "image"}`` (the record's ``images`` name them, in
+        order; an image's bytes or data URI is not copied into every sample)."""
+        if prompt.text is not None:
+            return prompt.text
+        assert prompt.messages is not None
+        return [
+            {**message, "content": [
+                {"type": "image"} if isinstance(part, dict) and part.get("type") == "image" else part
+                for part in message["content"]
+            ]} if isinstance(message.get("content"), list) else message
+            for message in prompt.messages
+        ]
+
+    def close(self) -> None:
+        self.jsonl.close()
 
 
 def open_sinks(cfg: Config, run_dir: Path, *, resume_after_step: int | None) -> MetricSinks:
