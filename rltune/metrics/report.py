@@ -3,7 +3,8 @@
 From ``metrics.jsonl``, ``samples.jsonl`` and ``config.yaml`` of a run (finished or still
 writing) it makes PNG charts with matplotlib and an ``index.html`` beside them that
 needs nothing else: inline CSS, no scripts, no external addresses, the charts linked by
-file name. So the folder can be copied, mailed or served as it is.
+file name, the images of the rollouts shown copied from the run's ``images/`` into the
+report's. So the folder can be copied, mailed or served as it is.
 
 Charts are drawn on ``matplotlib.figure.Figure`` with the Agg canvas directly, never
 through ``pyplot``, so making a report changes no global matplotlib state of the process
@@ -15,7 +16,7 @@ import html
 import math
 import numbers
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from rltune.metrics import keys
+from rltune.metrics.images import copy_images, images_html, sample_image_paths
 from rltune.metrics.jsonl import JsonlError, JsonlReader
 
 Series = dict[int, float]
@@ -377,12 +379,20 @@ def pick_samples(samples: Sequence[Sample]) -> tuple[int | None, list[Sample], l
 
 
 def _text(value: Any) -> str:
-    """A prompt or completion as text: chat messages as ``role: content`` lines."""
+    """A prompt or completion as text: chat messages as ``role: content`` lines, a content
+    of parts (vision-language prompts) as its text with ``[image]`` for each image."""
     if isinstance(value, list):
         return "\n".join(
-            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in value
+            f"{m.get('role', '?')}: {_content(m.get('content', ''))}" if isinstance(m, dict) else str(m) for m in value
         )
     return "" if value is None else str(value)
+
+
+def _content(content: Any) -> str:
+    if not isinstance(content, list):
+        return str(content)
+    parts = [part if isinstance(part, dict) else {"type": "text", "text": part} for part in content]
+    return "".join(str(part.get("text", "")) if part.get("type") == "text" else "[image]" for part in parts)
 
 
 def _cut(text: str) -> str:
@@ -396,7 +406,7 @@ def _cut(text: str) -> str:
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
-def _sample_html(sample: Mapping[str, Any]) -> str:
+def _sample_html(sample: Mapping[str, Any], copied: Set[str]) -> str:
     facts = [f"reward {fmt(float(sample['reward']))}"]
     rewards = sample.get("rewards")
     if isinstance(rewards, dict):
@@ -411,13 +421,14 @@ def _sample_html(sample: Mapping[str, Any]) -> str:
     return (
         "<div class=\"sample\">"
         f"<p class=\"facts\">{_e(' · '.join(facts))}</p>{error_html}"
+        f"{images_html(sample_image_paths(sample), copied)}"
         f"<div class=\"label\">prompt</div><pre>{_e(_cut(_text(sample.get('prompt'))))}</pre>"
         f"<div class=\"label\">completion</div><pre>{_e(_cut(_text(sample.get('completion'))))}</pre>"
         "</div>"
     )
 
 
-def _samples_section(data: RunData) -> str:
+def _samples_section(data: RunData, copied: Set[str]) -> str:
     step, best, worst, unscored = pick_samples(data.samples)
     if step is None:
         return ""
@@ -427,9 +438,9 @@ def _samples_section(data: RunData) -> str:
         parts.append(f"<p>{unscored} rollout{'s' if many else ''} of this step had no reward (a reward "
                      f"function failed) and {'are' if many else 'is'} not ranked.</p>")
     if best:
-        parts.append("<h3>Best</h3>" + "".join(_sample_html(s) for s in best))
+        parts.append("<h3>Best</h3>" + "".join(_sample_html(s, copied) for s in best))
     if worst:
-        parts.append("<h3>Worst</h3>" + "".join(_sample_html(s) for s in worst))
+        parts.append("<h3>Worst</h3>" + "".join(_sample_html(s, copied) for s in worst))
     return "".join(parts)
 
 
@@ -441,14 +452,16 @@ tr:nth-child(even) { background: #f6f6f6; } td { font-variant-numeric: tabular-n
 .step { color: #888; font-size: 0.9em; } .notes { color: #a15c00; }
 .charts img { max-width: 100%; margin: 0.5em 0; border: 1px solid #eee; }
 .sample { border: 1px solid #ddd; border-radius: 4px; padding: 0.5em 0.8em; margin: 0.8em 0; }
+.images img { max-width: 160px; max-height: 160px; margin: 0.2em 0.5em 0.5em 0; border: 1px solid #ddd; }
 .facts { color: #555; margin: 0; } .error { color: #b00020; } .label { color: #888; font-size: 0.85em; }
 pre { background: #f6f6f6; padding: 0.5em; white-space: pre-wrap; word-break: break-word; margin: 0.2em 0 0.5em; }
 """
 
 
-def render_html(data: RunData, charts: Sequence[tuple[str, str]]) -> str:
+def render_html(data: RunData, charts: Sequence[tuple[str, str]], copied: Set[str] = frozenset()) -> str:
     """The page: title and steps, notes, summary, final evaluation, charts, sample
-    rollouts, config. Every text from the run is HTML-escaped."""
+    rollouts (``copied``: the paths of their images copied beside the page),
+    config. Every text from the run is HTML-escaped."""
     notes = "".join(f"<li>{_e(n)}</li>" for n in data.notes)
     images = "".join(f"<figure><img src=\"{_e(f)}\" alt=\"{_e(c)}\"></figure>" for f, c in charts)
     config = f"<h2>Config</h2><pre class=\"config\">{_e(data.config_text)}</pre>" if data.config_text else ""
@@ -459,7 +472,7 @@ def render_html(data: RunData, charts: Sequence[tuple[str, str]]) -> str:
         + (f"<ul class=\"notes\">{notes}</ul>" if notes else "")
         + f"<h2>Summary</h2>{_summary_table(data)}{_eval_table(data)}"
         + (f"<h2>Charts</h2><div class=\"charts\">{images}</div>" if images else "")
-        + f"{_samples_section(data)}{config}</body></html>\n"
+        + f"{_samples_section(data, copied)}{config}</body></html>\n"
     )
 
 
@@ -469,7 +482,8 @@ def _e(text: str) -> str:
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the report of ``run_dir`` into ``out_dir`` (default ``run_dir/report``):
-    the charts as PNG files and ``index.html``. Returns the path of ``index.html``.
+    the charts as PNG files, the images of the rollouts shown (``images/``) and
+    ``index.html``. Returns the path of ``index.html``.
     A missing run directory or ``metrics.jsonl``, or a bad line before the last one, is
     a :class:`ReportError` naming the file (and line)."""
     data = load_run(Path(run_dir))
@@ -479,5 +493,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     charts = write_charts(data, out)
     index = out / "index.html"
-    index.write_text(render_html(data, charts), encoding="utf-8")
+    _, best, worst, _ = pick_samples(data.samples)  # the shown rollouts' images go beside the page
+    copied = copy_images(data.run_dir, [p for s in [*best, *worst] for p in sample_image_paths(s)], out)
+    index.write_text(render_html(data, charts, copied), encoding="utf-8")
     return index
