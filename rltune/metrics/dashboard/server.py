@@ -6,6 +6,13 @@ Pages and files
     ``GET /static/PATH``           a file under the package's ``static/`` folder; only
                                    ``.html .js .css .svg .png`` files, never a listing,
                                    never a path outside the folder (404)
+    ``GET /image?run=ID&path=images/NAME``
+                                   an image of a rollout, ``path`` as the run's
+                                   ``samples.jsonl`` gives it: only a stored image's name
+                                   (``<16 hex digits>.<ext>``), a plain file directly in
+                                   that run's ``images/`` folder, never a link (404
+                                   otherwise); sent with its image type, cacheable (the
+                                   name is the content's digest)
 
 JSON API (every answer is ``application/json`` with ``Cache-Control: no-store``; an error
 is ``{"error": "..."}`` with status 400 for a bad request or 404 for an unknown run;
@@ -73,6 +80,7 @@ from urllib.parse import parse_qs, unquote
 from rltune.metrics import keys
 from rltune.metrics.dashboard.errors import DashboardError
 from rltune.metrics.dashboard.runs import CONFIG_FILE, Run, RunIndex
+from rltune.metrics.images import content_type, resolve_image
 from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -331,6 +339,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._static("index.html", page=True)
         elif path.startswith("/static/"):
             self._static(unquote(path[len("/static/"):]))
+        elif path == "/image":
+            self._image(self._run(params), _param(params, "path") or "")
         elif path == "/api/runs":
             self._json(self.server.index.summaries())
         elif path == "/api/keys":
@@ -389,6 +399,20 @@ class _Handler(BaseHTTPRequestHandler):
             headers.update({"Content-Security-Policy": PAGE_CSP, "X-Frame-Options": "DENY",
                             "Cache-Control": "no-store"})
         self._send(HTTPStatus.OK, target.read_bytes(), CONTENT_TYPES[target.suffix], headers)
+
+    def _image(self, run: Run, relative: str) -> None:
+        """A stored image of ``run`` (:func:`rltune.metrics.images.resolve_image`); 404 for
+        any other path."""
+        target = resolve_image(run.path, relative)
+        try:
+            data = target.read_bytes() if target is not None else None
+        except OSError:  # removed since
+            data = None
+        if target is None or data is None:
+            self._text(HTTPStatus.NOT_FOUND, "not found\n")
+            return
+        self._send(HTTPStatus.OK, data, content_type(target),
+                   {"Cache-Control": "private, max-age=86400, immutable"})
 
     def _json(self, body: Any, status: HTTPStatus = HTTPStatus.OK) -> None:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")

@@ -22,14 +22,23 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
   }
 
   function promptText(prompt) {
-    if (Array.isArray(prompt)) return prompt.map((m) => `${m.role}: ${m.content}`).join("\n");
+    if (Array.isArray(prompt)) return prompt.map((m) => `${m.role}: ${contentText(m.content)}`).join("\n");
     return prompt === null || prompt === undefined ? "" : String(prompt);
+  }
+
+  /** A message's content as text: a list of parts (vision-language prompts) as its text
+      parts, an image part as "[image]" (the sample's `images` show it). */
+  function contentText(content) {
+    if (!Array.isArray(content)) return content === null || content === undefined ? "" : String(content);
+    return content.map((part) => (part && part.type === "text" ? String(part.text ?? "")
+      : part && String(part.type || "").startsWith("image") ? "[image]" : JSON.stringify(part))).join("");
   }
 
   function searchText(sample) {
     if (sample._search === undefined) {
       const turns = Array.isArray(sample.turns) ? sample.turns.map((t) => t.content).join("\n") : "";
-      sample._search = [promptText(sample.prompt), sample.completion, sample.reward_error, turns, sample.prompt_id]
+      const images = Array.isArray(sample.images) ? sample.images.map((image) => image && image.source).join("\n") : "";
+      sample._search = [promptText(sample.prompt), sample.completion, sample.reward_error, turns, sample.prompt_id, images]
         .filter((part) => part).join("\n").toLowerCase();
     }
     return sample._search;
@@ -133,12 +142,34 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
     const box = el("div");
     prompt.forEach((message, i) => {
       box.append(el("div", { class: "msg" },
-        el("span", { class: "role", text: message.role || "?" }), textBlock(message.content, `${key}:${i}`, 160)));
+        el("span", { class: "role", text: message.role || "?" }), textBlock(contentText(message.content), `${key}:${i}`, 160)));
     });
     return box;
   }
 
+  /** The prompt's images (vision-language runs) as thumbnails, each a link to the full
+      image; served by the dashboard from the run's images/ folder. */
+  function thumbnails(sample) {
+    if (!Array.isArray(sample.images) || !sample.images.length) return null;
+    const box = el("div", { class: "thumbs" });
+    for (const image of sample.images) {
+      if (!image || typeof image.path !== "string") continue;
+      const src = `/image?run=${encodeURIComponent(sample._run)}&path=${encodeURIComponent(image.path)}`;
+      const label = typeof image.source === "string" ? image.source : image.path;
+      box.append(el("a", { href: src, target: "_blank", rel: "noopener", title: label },
+        el("img", { class: "thumb", src, alt: label, loading: "lazy", decoding: "async" })));
+    }
+    return box;
+  }
+
   function completionCell(sample, key) {
+    const images = thumbnails(sample);
+    const text = completionText(sample, key);
+    if (!images) return text;
+    return el("div", { class: "with-images" }, images, el("div", {}, text));
+  }
+
+  function completionText(sample, key) {
     if (!Array.isArray(sample.turns) || !sample.turns.length) return textBlock(sample.completion, `${key}:c`);
     const box = el("div", { class: "turns" });
     sample.turns.forEach((turn, i) => {
