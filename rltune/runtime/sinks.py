@@ -78,6 +78,10 @@ class MetricSinks:
                     pass
 
 
+_IMAGE_PARTS = ("image", "image_url")
+"""The ``type`` of a message part that holds an image (HF's and OpenAI's chat formats)."""
+
+
 class SampleLog:
     """``samples.jsonl`` (truncated to ``resume_after_step`` when resuming) and the run's
     ``images/`` folder, which a resumed run keeps: images already there are not written
@@ -98,14 +102,15 @@ class SampleLog:
     @staticmethod
     def prompt_record(prompt: Prompt) -> str | list[dict[str, Any]]:
         """The prompt as ``samples.jsonl`` holds it: the text, or the messages with each
-        image part written as ``{"type": "image"}`` (the record's ``images`` name them, in
-        order; an image's bytes or data URI is not copied into every sample)."""
+        image part (``image``, ``image_url``) written as ``{"type": "image"}`` (the record's
+        ``images`` name them, in order; an image's bytes or data URI is not copied into
+        every sample)."""
         if prompt.text is not None:
             return prompt.text
         assert prompt.messages is not None
         return [
             {**message, "content": [
-                {"type": "image"} if isinstance(part, dict) and part.get("type") == "image" else part
+                {"type": "image"} if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS else part
                 for part in message["content"]
             ]} if isinstance(message.get("content"), list) else message
             for message in prompt.messages

@@ -85,7 +85,8 @@ def test_a_digest_that_is_not_the_datas_is_refused(tmp_path: Path) -> None:
 
 
 def vl_prompt(images: list[PromptImage]) -> Prompt:
-    content = [{"type": "image", "image": "data:image/png;base64,AAAA"}, {"type": "image", "image": b"\x89PNG"},
+    content = [{"type": "image", "image": b"\x89PNG"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
                {"type": "text", "text": "How many shapes?"}]
     return Prompt(id="shapes:0", messages=[{"role": "system", "content": "Answer with a number."},
                                            {"role": "user", "content": content}], images=images)
@@ -113,7 +114,7 @@ def test_samples_name_their_prompts_images_and_each_is_stored_once(tmp_path: Pat
     assert rows[2]["prompt"] == "1+1=" and "images" not in rows[2]
     assert sorted(os.listdir(tmp_path / "images")) == sorted([f"{red.digest}.png", f"{blue.digest}.png"])
     assert (tmp_path / f"images/{blue.digest}.png").read_bytes() == BLUE
-    assert vl.messages[1]["content"][0]["image"].startswith("data:")  # the prompt itself is untouched
+    assert vl.messages[1]["content"][0]["image"] == b"\x89PNG"  # the prompt itself is untouched
 
 
 def test_a_resumed_run_keeps_the_images_and_refers_to_them_again(tmp_path: Path) -> None:
