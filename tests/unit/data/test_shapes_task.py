@@ -12,6 +12,7 @@ from PIL import Image
 
 from rltune.data.tasks import TASKS
 from rltune.data.tasks.shapes import (
+    BACKGROUND,
     CELL,
     COLOURS,
     QUESTIONS,
@@ -24,7 +25,7 @@ from rltune.data.tasks.shapes import (
     with_sloppy_teacher,
 )
 
-# The palette's RGB of each colour (white background).
+# The palette's RGB of each colour.
 RGB = {"red": (220, 40, 40), "green": (40, 170, 40), "blue": (40, 70, 220)}
 
 
@@ -41,7 +42,7 @@ def _cell_colours(image: Image.Image) -> dict[tuple[int, int], tuple[str, int]]:
         for c in range(4):
             counts = Counter(image.getpixel((c * CELL + x, r * CELL + y))
                              for x in range(CELL) for y in range(CELL))
-            counts.pop((255, 255, 255), None)
+            counts.pop(BACKGROUND, None)
             if counts:
                 rgb, n = counts.most_common(1)[0]
                 (name,) = (k for k, v in RGB.items() if v == rgb)
