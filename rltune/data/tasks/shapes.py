@@ -19,8 +19,8 @@ the others are small. Three questions, one third of the rows each:
 
 Splits are deterministic. ``eval`` is drawn first, from its own stream; ``train`` draws
 from another and skips any scene that ``eval`` has, so no held-out image is ever trained
-on. Within a split every image is different. ``train-sloppy`` is ``train`` demonstrated by a teacher with three habits
-(:func:`with_sloppy_teacher`).
+on. Within a split every image is different. ``train-sloppy`` is ``train`` demonstrated
+by a teacher with three habits (:func:`with_sloppy_teacher`).
 """
 
 from __future__ import annotations
@@ -181,9 +181,9 @@ def shapes_rows(
 
 def sloppy_answer(question: str, answer: str) -> str:
     """The sloppy teacher's answer when its habit applies, else ``answer``: it counts one
-    red shape fewer when there are two or more, answers ``yes`` to the circle question
-    whatever the order, and calls a green largest shape blue."""
-    if question == QUESTIONS["count"] and int(answer) >= 2:
+    red shape fewer whenever there is one, answers ``yes`` to the circle question whatever
+    the order, and calls a green largest shape blue."""
+    if question == QUESTIONS["count"] and int(answer) >= 1:
         return str(int(answer) - 1)
     if question == QUESTIONS["left"] and answer == "no":
         return "yes"
@@ -196,7 +196,7 @@ def with_sloppy_teacher(
     rows: list[dict[str, object]], *, slip: float, seed: int = 7
 ) -> list[dict[str, object]]:
     """The same rows demonstrated by the sloppy teacher: where one of its habits applies
-    (:func:`sloppy_answer`, 44 % of the rows), the ``completion`` (the SFT target) follows
+    (:func:`sloppy_answer`, 53 % of the rows), the ``completion`` (the SFT target) follows
     the habit with probability ``slip``; ``answer`` stays true, so a verifier still knows.
     Draws come from ``random.Random(seed)``, one per row."""
     if not 0.0 <= slip <= 1.0:

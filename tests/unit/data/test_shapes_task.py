@@ -122,7 +122,7 @@ def test_avoided_scenes_are_skipped():
 @pytest.mark.parametrize(
     ("question", "answer", "sloppy"),
     [
-        (QUESTIONS["count"], "0", "0"), (QUESTIONS["count"], "1", "1"),
+        (QUESTIONS["count"], "0", "0"), (QUESTIONS["count"], "1", "0"),
         (QUESTIONS["count"], "2", "1"), (QUESTIONS["count"], "3", "2"),
         (QUESTIONS["left"], "no", "yes"), (QUESTIONS["left"], "yes", "yes"),
         (QUESTIONS["largest"], "green", "blue"), (QUESTIONS["largest"], "red", "red"),
@@ -140,8 +140,8 @@ def test_the_sloppy_split(train):
     ]
     applies = [r for r in train if sloppy_answer(r["prompt"], r["answer"]) != r["answer"]]
     wrong = sum(s["completion"] != s["answer"] for s in sloppy)
-    # the habits apply to 5/12 + ... of the rows (count >= 2: 1/6, "no": 1/6, green: 1/9)
-    assert 0.40 < len(applies) / len(train) < 0.49
+    # the habits apply to 19/36 = 53 % of the rows (counts 1-3: 1/4, "no": 1/6, green: 1/9)
+    assert 0.49 < len(applies) / len(train) < 0.57
     assert wrong / len(applies) == pytest.approx(0.8, abs=0.03)
     assert all(s["completion"] in (r["answer"], sloppy_answer(r["prompt"], r["answer"]))
                for s, r in zip(sloppy, train))
