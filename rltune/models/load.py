@@ -24,14 +24,28 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+from transformers.processing_utils import ProcessorMixin
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import is_torchvision_available
 
 from rltune.models.experts import ExpertsLayoutError, use_grouped_experts
 from rltune.models.safetensors_io import bad_files
 from rltune.models.tiny import TINY_FORMAT_VERSION, TINY_SPECS, build_tiny
+from rltune.models.tiny_vl import TINY_VL_FORMAT_VERSION, TINY_VL_SPECS, build_tiny_vl
 
 BUILTIN_PREFIX = "builtin:"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "rltune" / "builtin"
@@ -65,15 +79,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     so sharing the id is harmless. A tokenizer with neither is an error.
     """
     directory = _existing_dir(path)
-    for name in _TOKENIZER_JSON:
-        if (directory / name).is_file():
-            _read_json(directory / name)
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        # transformers 5 would build an empty tokenizer here instead of failing.
-        raise ModelLoadError(
-            f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
-            f"one there with `tokenizer.save_pretrained`, or {_PATH_FIX}"
-        )
+    _check_tokenizer_files(directory)
     try:
         with held_transformers_warnings() as held:
             tokenizer = AutoTokenizer.from_pretrained(
@@ -93,6 +99,23 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
             f"tokenizer files written by `save_pretrained` (e.g. tokenizer.json and "
             f"tokenizer_config.json); {fix}"
         ) from err
+    return _padded_left(tokenizer, directory)
+
+
+def _check_tokenizer_files(directory: Path) -> None:
+    for name in _TOKENIZER_JSON:
+        if (directory / name).is_file():
+            _read_json(directory / name)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        # transformers 5 would build an empty tokenizer here instead of failing.
+        raise ModelLoadError(
+            f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
+            f"one there with `tokenizer.save_pretrained`, or {_PATH_FIX}"
+        )
+
+
+def _padded_left(tokenizer: PreTrainedTokenizerBase, directory: Path) -> PreTrainedTokenizerBase:
+    """``tokenizer`` padding on the left, with its EOS as pad token if it has none."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(
@@ -107,11 +130,12 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
 def load_model(
     path: str, *, dtype: str = "float32", trust_remote_code: bool = False
 ) -> PreTrainedModel:
-    """The causal LM saved in the local directory ``path``, with parameters in ``dtype``.
+    """The causal LM or vision-language model in the local directory ``path``, in ``dtype``.
 
     Checks, before handing over to transformers, that the directory exists, holds a
     ``config.json`` naming an architecture this transformers knows (or remote code that
-    is allowed) with a causal-LM head, and holds weights; and, after loading, that no
+    is allowed) with a causal-LM head or an image-text-to-text one (a vision-language
+    model, loaded through ``AutoModelForImageTextToText``), and holds weights; and, after loading, that no
     weight was missing (transformers would otherwise initialise it at random, silently).
     A mixture-of-experts model's experts are switched to rltune's grouped compute
     (:func:`~rltune.models.experts.use_grouped_experts`, logged).
@@ -123,6 +147,7 @@ def load_model(
     directory = _existing_dir(path)
     config = _read_config(directory)
     _check_architecture(config, directory, trust_remote_code=trust_remote_code)
+    auto_class = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
     if not any(next(directory.glob(p), None) for p in WEIGHT_PATTERNS):
         raise ModelLoadError(
             f"{directory} has a config.json but no weights (*.safetensors or *.bin); "
@@ -131,7 +156,7 @@ def load_model(
     with held_transformers_warnings() as held:
         try:
             # Mismatched shapes are reported below, by key, in one line.
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto_class.from_pretrained(
                 directory,
                 local_files_only=True,
                 trust_remote_code=trust_remote_code,
@@ -151,6 +176,76 @@ def load_model(
         except ExpertsLayoutError as err:
             raise ModelLoadError(f"the model in {directory}: {err}") from err
     return model
+
+
+def load_processor(path: str, *, trust_remote_code: bool = False) -> ProcessorMixin | None:
+    """The processor (image processor + tokenizer) of the vision-language model at ``path``;
+    ``None`` for a text-only model.
+
+    Its tokenizer pads on the left with a pad token, as :func:`load_tokenizer` ensures, and
+    is the run's tokenizer. transformers builds Qwen2-VL's processor (and others with a video
+    processor) only with torchvision installed; without it the processor is put together
+    from its image processor (PIL backend) and tokenizer, with no video processor: images
+    work, videos do not.
+    """
+    directory = _existing_dir(path)
+    config = _read_config(directory)
+    if not is_vision_language_config(config):
+        return None
+    if not any((directory / name).is_file() for name in _PROCESSOR_FILES):
+        raise ModelLoadError(
+            f"{directory} holds a vision-language model but no image processor (none of "
+            f"{', '.join(_PROCESSOR_FILES)}); save the model's processor there with "
+            f"`processor.save_pretrained`"
+        )
+    _check_tokenizer_files(directory)
+    for name in _PROCESSOR_FILES:
+        if (directory / name).is_file():
+            _read_json(directory / name)
+    try:
+        with held_transformers_warnings() as held:
+            processor = _processor(directory, config, trust_remote_code)
+            held.release()
+    except (OSError, ValueError, KeyError, TypeError, ImportError, StrictDataclassError) as err:
+        raise ModelLoadError(
+            f"could not load the processor of {directory}: {_one_line(err)}. The directory needs "
+            f"the files `processor.save_pretrained` writes (preprocessor_config.json or "
+            f"processor_config.json, and the tokenizer's)"
+        ) from err
+    _padded_left(processor.tokenizer, directory)
+    return processor
+
+
+# The image processor's settings: alone, or inside the processor's own config (transformers 5).
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _processor(directory: Path, config: dict[str, Any], trust_remote_code: bool) -> ProcessorMixin:
+    settings = _read_json(directory / "processor_config.json") if (directory / "processor_config.json").is_file() else {}
+    name = settings.get("processor_class") or PROCESSOR_MAPPING_NAMES.get(config["model_type"])
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None or is_torchvision_available() or "video_processor" not in cls.get_attributes():
+        return AutoProcessor.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    settings, _ = cls.get_processor_dict(str(directory), local_files_only=True)
+    image_processor = AutoImageProcessor.from_pretrained(
+        directory, local_files_only=True, processor_config=settings.pop("image_processor", None)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    for key in ("processor_class", "video_processor", "auto_map"):
+        settings.pop(key, None)
+    processor = cls.__new__(cls)
+    # ProcessorMixin.__init__ checks each part against its base class; the video one,
+    # VideoProcessorMixin, exists only with torchvision, so the absent part skips the check.
+    checked = processor.check_argument_for_proper_class
+    processor.check_argument_for_proper_class = (
+        lambda part, value: None if part == "video_processor" and value is None else checked(part, value)
+    )
+    cls.__init__(processor, image_processor=image_processor, tokenizer=tokenizer,
+                 video_processor=None, **settings)
+    del processor.check_argument_for_proper_class
+    return processor
 
 
 def hf_load_error(err: Exception, directory: Path, what: str) -> ModelLoadError:
@@ -227,18 +322,20 @@ def resolve_model(path: str, *, cache_dir: str | None = None, seed: int = 0) -> 
     if not path.startswith(BUILTIN_PREFIX):
         return path
     name = path[len(BUILTIN_PREFIX):]
-    if name not in TINY_SPECS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in TINY_SPECS)
+    builders = {**{n: build_tiny for n in TINY_SPECS}, **{n: build_tiny_vl for n in TINY_VL_SPECS}}
+    if name not in builders:
+        known = ", ".join(BUILTIN_PREFIX + n for n in builders)
         raise ModelLoadError(f"unknown builtin model {path!r}; set `model.path` to one of {known}")
-    spec = TINY_SPECS[name]
+    spec = {**TINY_SPECS, **TINY_VL_SPECS}[name]
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    final = root / f"{name}-{_spec_hash(spec, seed)}"
+    version = TINY_VL_FORMAT_VERSION if name in TINY_VL_SPECS else TINY_FORMAT_VERSION
+    final = root / f"{name}-{_spec_hash(spec, seed, version)}"
     if final.is_dir():
         return str(final)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        build_tiny(tmp, seed=seed, **spec)
+        builders[name](tmp, seed=seed, **spec)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is readable like any model dir
         os.rename(tmp, final)
     except OSError:
@@ -322,15 +419,16 @@ def _mismatch(entry: Any) -> str:
 def _check_architecture(
     config: dict[str, Any], directory: Path, *, trust_remote_code: bool
 ) -> None:
-    """Raise unless transformers can build a causal LM from ``config`` under these rules."""
+    """Raise unless transformers can build a causal LM or a vision-language model from
+    ``config`` under these rules."""
     model_type = config.get("model_type")
     if model_type is None:
         raise ModelLoadError(f"{directory / 'config.json'} has no `model_type`; {_PATH_FIX}")
     auto_map = config.get("auto_map", {})
-    remote_causal = "AutoModelForCausalLM" in auto_map
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (remote_causal and trust_remote_code):
+    remote_class = next((c for c in _AUTO_CLASSES if c in auto_map), None)
+    if _known_head(model_type) or (remote_class and trust_remote_code):
         return
-    if remote_causal:
+    if remote_class:
         raise ModelLoadError(
             f"the model in {directory} (model_type {model_type!r}) needs code shipped inside "
             f"that directory, which is off by default; {_REMOTE_FIX}"
@@ -338,8 +436,9 @@ def _check_architecture(
     if model_type in CONFIG_MAPPING_NAMES or auto_map:
         raise ModelLoadError(
             f"the model in {directory} (model_type {model_type!r}) is not a causal language "
-            f"model: neither transformers nor its config's `auto_map` has an "
-            f"AutoModelForCausalLM for it; {_PATH_FIX} of a decoder-only LM"
+            f"model or a vision-language (image-text-to-text) model: neither transformers nor "
+            f"its config's `auto_map` has an {' or '.join(_AUTO_CLASSES)} for it; {_PATH_FIX} "
+            f"of a decoder-only LM or a vision-language model"
         )
     raise ModelLoadError(
         f"transformers {transformers.__version__} does not know model_type {model_type!r} "
@@ -347,11 +446,32 @@ def _check_architecture(
     )
 
 
-def _spec_hash(spec: dict[str, Any], seed: int) -> str:
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
+
+
+def _known_head(model_type: str) -> bool:
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def is_vision_language_config(config: dict[str, Any]) -> bool:
+    """Whether the ``config.json`` contents ``config`` describe a vision-language model.
+
+    An image-text-to-text architecture with a ``vision_config`` (Gemma 3 and Mllama are
+    also causal LMs in transformers' tables; their text-only checkpoints have no vision
+    config), or remote code that registers only an ``AutoModelForImageTextToText``.
+    """
+    model_type = config.get("model_type")
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and "vision_config" in config:
+        return True
+    auto_map = config.get("auto_map", {})
+    return "AutoModelForImageTextToText" in auto_map and "AutoModelForCausalLM" not in auto_map
+
+
+def _spec_hash(spec: dict[str, Any], seed: int, version: int) -> str:
     key = {
         "spec": spec,
         "seed": seed,
-        "format": TINY_FORMAT_VERSION,
+        "format": version,
         "transformers": transformers.__version__,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
