@@ -72,6 +72,10 @@ class ModelConfig(_Section):
     """PPO: the causal LM whose body the critic starts from; None uses ``path``."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the full model; None trains every weight."""
+    freeze_vision: bool = True
+    """Vision-language models: keep the vision tower and the projector fixed, training
+    only the language model (with LoRA, ``all-linear`` then adapts only its layers);
+    false trains them too. No effect on a text-only model."""
 
 
 ALGO_PRESETS: dict[str, dict[str, object]] = {
@@ -175,9 +179,19 @@ class DataConfig(_Section):
     chat_template: bool = True
     """Render prompts with the tokenizer's chat template when it has one."""
     max_prompt_tokens: int = Field(512, ge=1)
+    """Counts a vision-language prompt's image tokens too."""
+    images_field: str = "images"
+    """Field with a row's images (a list of paths, data URIs or bytes), placed before the
+    text of the first user turn; images may also be image parts of the messages."""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """An image's width x height, read from its header before it is decoded: past it the
+    row is bad. 4096x4096 passes 4K frames and phone photos; a decompression bomb never decodes."""
+    max_image_bytes: int = Field(32 * 2**20, ge=1)
+    """The largest encoded image file (bytes) a row may hold."""
     on_bad_row: Literal["error", "skip"] = "error"
-    """A row with a missing field, an empty prompt or a too-long prompt: stop with an
-    error naming file and row, or skip it and count it."""
+    """A row with a missing field, an empty prompt, a too-long prompt or an image that is
+    missing, unreadable or too large: stop with an error naming file and row, or skip it
+    and count it."""
     shuffle: bool = True
 
 

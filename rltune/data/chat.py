@@ -31,6 +31,12 @@ with one (the row's own system message wins). For text used as-is, it is prepend
 
 Text rendered without a template is tokenised with the tokenizer's special tokens (a BOS
 for tokenizers that use one); a chat template writes its own special tokens.
+
+A vision-language model renders through its processor instead (:func:`encode_vl_prompt`):
+``processor.apply_chat_template`` with the images in the messages' image parts, which
+writes the image tokens (expanded to the number each image takes) and computes the pixel
+inputs in the same call. Every content string is given as one text part, the form the
+processors' templates expect (LLaVA's reads only parts); Qwen2-VL's renders both alike.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rltune.data.records import Prompt
+from rltune.data.records import Prompt, VisionInputs
 
 PLAIN_ASSISTANT_CUE = "assistant: "
 
@@ -114,3 +120,61 @@ def _chat_template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[i
             raise ValueError(f"apply_chat_template returned {len(ids)} sequences for one prompt")
         ids = list(ids[0])
     return [int(i) for i in ids]
+
+
+def encode_vl_prompt(
+    processor: Any, messages: Sequence[Mapping[str, Any]], images: Sequence[Any]
+) -> tuple[list[int], VisionInputs | None]:
+    """``(input_ids, vision)`` of ``messages`` (the system prompt already in them) rendered by
+    a vision-language model's processor, each ``{"type": "image"}`` part taking the next of
+    ``images`` (decoded ``PIL.Image`` objects, in order).
+
+    ``vision`` is the processor's output besides the ids: its per-image tensors, each with
+    the images along dim 0 (a leading batch dim of one, which some processors add, is
+    removed); tensors aligned with the tokens (``attention_mask``, Qwen2-VL's
+    ``mm_token_type_ids``) are left out, being functions of the ids that the model's
+    caller rebuilds for the whole sequence. None without images."""
+    pending = iter(images)
+    conversation = [
+        {"role": m["role"], "content": [_with_image(part, pending) for part in _parts(m["content"])]}
+        for m in messages
+    ]
+    if next(pending, None) is not None:
+        raise ValueError("encode_vl_prompt: more images than image parts in the messages")
+    out = processor.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
+        return_tensors="pt",
+    )
+    ids_1L = out["input_ids"]
+    if ids_1L.dim() != 2 or ids_1L.shape[0] != 1:
+        raise ValueError(f"the processor returned input_ids of shape {tuple(ids_1L.shape)} for one prompt")
+    if not images:
+        return [int(i) for i in ids_1L[0]], None
+    vision = {
+        key: _images_first(value, len(images))
+        for key, value in out.items()
+        if key != "input_ids" and tuple(value.shape) != tuple(ids_1L.shape)
+    }
+    return [int(i) for i in ids_1L[0]], vision
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def _with_image(part: dict[str, Any], pending: Any) -> dict[str, Any]:
+    if part["type"] != "image":
+        return dict(part)
+    image = next(pending, None)
+    if image is None:
+        raise ValueError("encode_vl_prompt: more image parts in the messages than images")
+    return {"type": "image", "image": image}
+
+
+def _images_first(value: Any, n_images: int) -> Any:
+    """``value`` with its leading batch dim of one dropped when the processor added one
+    (``[1, n_images, ...]``); Qwen2-VL's ``[patches, D]`` and LLaVA's ``[n, 3, H, W]``
+    already hold the images along dim 0 and are kept as they are."""
+    if value.dim() >= 3 and value.shape[0] == 1 and value.shape[1] == n_images:
+        return value[0]
+    return value

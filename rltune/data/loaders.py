@@ -29,6 +29,19 @@ texts and ``meta["chosen_ids"]`` / ``meta["rejected_ids"]`` their tokens; the tw
 fields are not kept in meta. A pair whose two responses have the same tokens is a bad
 row: it states no preference, and every preference loss gets no gradient from it.
 
+Rows with images (vision-language models, :mod:`rltune.data.images`): the prompt's
+messages may hold image parts, or the images field (``data.images_field``) a list of
+images, which go before the text of the first user turn (a string prompt becomes that
+user turn), as TRL places them. ``Prompt.messages`` then keeps each image as the
+placeholder ``{"type": "image"}`` and ``Prompt.images`` the images in that order; the
+images field is not kept in meta. Such a prompt is rendered once, with its images, by the
+model's processor (``processor`` below; :func:`rltune.data.chat.encode_vl_prompt`), which
+fills ``Prompt.vision``; ``data.max_prompt_tokens`` counts its image tokens. With a
+processor, rows without images render through it too (no vision inputs). Rows with images
+and no processor (a text-only model) stop loading whatever ``data.on_bad_row`` says, as
+does ``data.chat_template: false``, which has no way to place image tokens; an image that
+is missing, unreadable or too large is a bad row.
+
 Ids are the ``data.id_field`` value as a string, or ``NAME:ROW`` (NAME the file's base
 name, or ``TASK/SPLIT`` for built-ins; ROW 1-based). A bad row stops loading with a
 :class:`DataError` that names the source, the row and the config key to change, or, with
@@ -37,28 +50,22 @@ name, or ``TASK/SPLIT`` for built-ins; ROW 1-based). A bad row stops loading wit
 
 from __future__ import annotations
 
-import importlib
-import json
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from rltune.data.chat import encode_completion, encode_prompt
-from rltune.data.records import Prompt
-from rltune.data.tasks import TASKS
+from rltune.data.chat import encode_completion, encode_prompt, encode_vl_prompt, with_system_prompt
+from rltune.data.images import ImageError, decode_image, read_image, split_parts
+from rltune.data.records import Prompt, PromptImage
+from rltune.data.sources import DataError, RawRow, image_dir, open_source
+
+__all__ = ["DataError", "PromptSet", "load_prompts"]
 
 if TYPE_CHECKING:  # only its fields are read; the data layer needs no config at run time
     from rltune.config.schema import DataConfig
 
-BUILTIN_PREFIX = "builtin:"
 MAX_SKIP_EXAMPLES = 5
 _SKIP_HINT = "or set data.on_bad_row=skip to skip such rows"
-
-
-class DataError(ValueError):
-    """A dataset cannot be used as configured; the message says where and what to change."""
 
 
 @dataclass
@@ -78,19 +85,26 @@ class PromptSet:
         return len(self.prompts)
 
 
-@dataclass(frozen=True)
-class _RawRow:
-    number: int  # 1-based
-    fields: dict[str, Any] | None
-    problem: str | None = None  # why the row could not be parsed at all
-
-
 class _BadRow(Exception):
     """A row that fails a check: what is wrong and which setting or fix addresses it."""
 
     def __init__(self, problem: str, hint: str) -> None:
         super().__init__(problem)
         self.problem, self.hint = problem, hint
+
+
+@dataclass(frozen=True)
+class _Render:
+    """What turns a source's rows into ids: the tokenizer, a vision-language model's
+    processor (None for a text model, named ``model`` in errors) and the directory that
+    relative image paths start from."""
+
+    cfg: DataConfig
+    tokenizer: Any
+    processor: Any
+    model: str | None
+    base_dir: Path | None
+    source: str
 
 
 def load_prompts(
@@ -100,14 +114,18 @@ def load_prompts(
     *,
     with_completion: bool = False,
     with_pairs: bool = False,
+    processor: Any = None,
+    model: str | None = None,
 ) -> PromptSet:
     """Read, check and tokenise every row of ``source`` (see the module docstring).
 
     ``with_completion``: rows carry an SFT target; ``with_pairs``: rows are preference
-    pairs. At most one of them."""
+    pairs. At most one of them. ``processor``: a vision-language model's processor (None
+    for a text model); ``model`` names the model in the error for images without one."""
     if with_completion and with_pairs:
         raise ValueError("load_prompts: with_completion and with_pairs exclude each other")
-    name, rows = _open_source(source)
+    name, rows = open_source(source)
+    render = _Render(cfg, tokenizer, processor, model, image_dir(source), source)
     prompts: list[Prompt] = []
     skip_examples: list[str] = []
     skipped = 0
@@ -115,7 +133,7 @@ def load_prompts(
     for raw in rows:
         try:
             prompt = _row_to_prompt(
-                raw, name, cfg, tokenizer, with_completion=with_completion, with_pairs=with_pairs
+                raw, name, render, with_completion=with_completion, with_pairs=with_pairs
             )
             _check_unique_id(prompt.id, raw.number, seen_ids)
         except _BadRow as bad:
@@ -133,117 +151,23 @@ def load_prompts(
     return PromptSet(prompts=prompts, skipped=skipped, source=source, skip_examples=skip_examples)
 
 
-# --- sources -------------------------------------------------------------------------
-
-
-def _open_source(source: str) -> tuple[str, Iterable[_RawRow]]:
-    """``(name used in ids, rows)`` of ``source``."""
-    if source.startswith(BUILTIN_PREFIX):
-        return _builtin_rows(source)
-    path = Path(source)
-    if not path.exists():
-        raise DataError(f"data source {source!r} does not exist; check data.train / data.eval")
-    if path.is_dir():
-        return path.name, _read_datasets_dir(path)
-    reader = _FILE_READERS.get(path.suffix)
-    if reader is None:
-        raise DataError(
-            f"data source {source!r}: unsupported file type {path.suffix!r}; use .jsonl, "
-            f".parquet, a `datasets` directory (save_to_disk) or {BUILTIN_PREFIX}TASK/SPLIT"
-        )
-    return path.name, reader(path)
-
-
-def _builtin_rows(source: str) -> tuple[str, Iterable[_RawRow]]:
-    spec = source[len(BUILTIN_PREFIX) :]
-    task, _, split = spec.partition("/")
-    if task not in TASKS or not split:
-        raise DataError(
-            f"data source {source!r}: expected {BUILTIN_PREFIX}TASK/SPLIT with TASK one of "
-            f"{sorted(TASKS)}"
-        )
-    try:
-        rows = TASKS[task](split)
-    except ValueError as err:
-        raise DataError(f"data source {source!r}: {err}") from err
-    return spec, [_RawRow(i, row) for i, row in enumerate(rows, 1)]
-
-
-def _read_jsonl(path: Path) -> Iterator[_RawRow]:
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                yield _RawRow(number, None, f"not valid UTF-8 ({err.reason} at byte {err.start})")
-                continue
-            except json.JSONDecodeError as err:
-                # some of json's messages end in "at" (`Unterminated string starting at`)
-                where = "" if err.msg.endswith(" at") else " at"
-                yield _RawRow(number, None, f"invalid JSON ({err.msg}{where} column {err.colno})")
-                continue
-            if not isinstance(obj, dict):
-                yield _RawRow(number, None, f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield _RawRow(number, obj)
-
-
-def _read_parquet(path: Path) -> list[_RawRow]:
-    pa = _import_extra("pyarrow", what="parquet files")
-    parquet = _import_extra("pyarrow.parquet", what="parquet files")
-    try:
-        table = parquet.read_table(path)
-    except pa.ArrowException as err:
-        raise DataError(f"cannot read parquet file {str(path)!r}: {err}") from err
-    return [_RawRow(i, row) for i, row in enumerate(table.to_pylist(), 1)]
-
-
-def _read_datasets_dir(path: Path) -> list[_RawRow]:
-    datasets = _import_extra("datasets", what="`datasets` directories")
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError as err:
-        raise DataError(
-            f"data source {str(path)!r} is a directory but not one written by "
-            f"datasets' save_to_disk: {err}"
-        ) from err
-    if isinstance(loaded, datasets.DatasetDict):
-        raise DataError(
-            f"data source {str(path)!r} holds several splits {sorted(loaded)}; point "
-            f"data.train / data.eval at one of them, e.g. {str(path / next(iter(loaded)))!r}"
-        )
-    return [_RawRow(i, dict(row)) for i, row in enumerate(loaded, 1)]
-
-
-_FILE_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
-
-
-def _import_extra(module: str, *, what: str) -> ModuleType:
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise DataError(f"reading {what} needs `{module}`: pip install 'rltune[data]'") from err
-
-
 # --- rows ----------------------------------------------------------------------------
 
 
 def _row_to_prompt(
-    raw: _RawRow,
+    raw: RawRow,
     name: str,
-    cfg: DataConfig,
-    tokenizer: Any,
+    render: _Render,
     *,
     with_completion: bool,
     with_pairs: bool = False,
 ) -> Prompt:
     if raw.fields is None:
         raise _BadRow(str(raw.problem), "fix or remove the line")
-    row = raw.fields
-    messages, text = _parse_prompt_field(row, cfg.prompt_field)
-    not_meta = {cfg.prompt_field, cfg.completion_field}
+    row, cfg, tokenizer = raw.fields, render.cfg, render.tokenizer
+    messages, text, refs = _parse_prompt_field(row, cfg.prompt_field)
+    messages, text, refs = _with_field_images(messages, text, refs, row.get(cfg.images_field))
+    not_meta = {cfg.prompt_field, cfg.completion_field, cfg.images_field}
     if with_pairs:
         not_meta |= {cfg.chosen_field, cfg.rejected_field}
     meta = {k: v for k, v in row.items() if k not in not_meta}
@@ -257,9 +181,7 @@ def _row_to_prompt(
     prompt = Prompt(
         id=_prompt_id(row, raw.number, name, cfg.id_field), messages=messages, text=text, meta=meta
     )
-    ids = encode_prompt(
-        tokenizer, prompt, system_prompt=cfg.system_prompt, use_chat_template=cfg.chat_template
-    )
+    ids = _encode(render, prompt, refs, raw.number)
     if len(ids) > cfg.max_prompt_tokens:
         raise _BadRow(
             f"the prompt is {len(ids)} tokens, more than data.max_prompt_tokens="
@@ -283,8 +205,9 @@ def _row_to_prompt(
 
 def _parse_prompt_field(
     row: dict[str, Any], key: str
-) -> tuple[list[dict[str, str]] | None, str | None]:
-    """``(messages, text)`` from the prompt field, exactly one of them set."""
+) -> tuple[list[dict[str, Any]] | None, str | None, list[Any]]:
+    """``(messages, text, image refs)`` from the prompt field, exactly one of messages and
+    text set; the refs are those of the messages' image parts, in order."""
     hint = "check data.prompt_field"
     if row.get(key) is None:
         raise _BadRow(
@@ -294,9 +217,10 @@ def _parse_prompt_field(
     if isinstance(value, str):
         if not value.strip():
             raise _BadRow(f"the prompt field {key!r} is empty", hint)
-        return None, value
+        return None, value, []
     if isinstance(value, list):
-        return _parse_messages(value, key), None
+        refs: list[Any] = []
+        return _parse_messages(value, key, image_refs=refs), None, refs
     raise _BadRow(
         f"the prompt field {key!r} must be a string or a list of {{role, content}} messages, "
         f"got {type(value).__name__}",
@@ -304,7 +228,12 @@ def _parse_prompt_field(
     )
 
 
-def _parse_messages(value: list[Any], key: str) -> list[dict[str, str]]:
+def _parse_messages(
+    value: list[Any], key: str, *, image_refs: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """The messages of ``value``. With ``image_refs`` (a prompt's messages), a content may
+    also be a list of text and image parts (:func:`rltune.data.images.split_parts`), whose
+    image references are appended to ``image_refs``."""
     hint = "each message must be {\"role\": str, \"content\": str}"
     if not value:
         raise _BadRow(f"the field {key!r} is an empty list of messages", hint)
@@ -316,16 +245,99 @@ def _parse_messages(value: list[Any], key: str) -> list[dict[str, str]]:
         if extra:
             raise _BadRow(f"message {i} of {key!r} has unexpected keys {extra}", hint)
         role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role or not isinstance(content, str):
+        if image_refs is not None and isinstance(content, list) and isinstance(role, str) and role:
+            content = _content_parts(content, f"message {i} of {key!r}", image_refs)
+        elif not isinstance(role, str) or not role or not isinstance(content, str):
             raise _BadRow(
                 f"message {i} of {key!r} needs a non-empty string 'role' and a string "
                 f"'content', got role={role!r}, content={content!r}",
                 hint,
             )
         messages.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in messages):
+    if not any(_has_content(m["content"]) for m in messages):
         raise _BadRow(f"every message of the field {key!r} is empty", hint)
     return messages
+
+
+def _content_parts(content: list[Any], where: str, image_refs: list[Any]) -> list[dict[str, str]]:
+    try:
+        parts, refs = split_parts(content, where)
+    except ImageError as err:
+        raise _BadRow(err.problem, err.hint) from None
+    image_refs.extend(refs)
+    return parts
+
+
+def _has_content(content: str | list[dict[str, str]]) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(p["type"] == "image" or p["text"].strip() for p in content)
+
+
+def _with_field_images(
+    messages: list[dict[str, Any]] | None, text: str | None, refs: list[Any], field: Any
+) -> tuple[list[dict[str, Any]] | None, str | None, list[Any]]:
+    """The prompt with the images of the images field placed before the text of its first
+    user turn (a string prompt becomes that turn); unchanged when the field is empty."""
+    if field is None or (isinstance(field, list) and not field):
+        return messages, text, refs
+    hint = "check data.images_field"
+    if not isinstance(field, list):
+        raise _BadRow(f"the images field must be a list of images, got {type(field).__name__}", hint)
+    if refs:
+        raise _BadRow("the row has both image parts in its messages and an images field",
+                      f"{hint}; give each image once")
+    if messages is None:
+        messages = [{"role": "user", "content": str(text)}]
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise _BadRow("the row has images but no user message to place them in", hint)
+    placed = [dict(m) for m in messages]
+    content = placed[first_user]["content"]
+    text_parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    placed[first_user]["content"] = [*({"type": "image"} for _ in field), *text_parts]
+    return placed, None, list(field)
+
+
+def _encode(render: _Render, prompt: Prompt, refs: list[Any], number: int) -> list[int]:
+    """The prompt's ids; with images (or any row, given a processor) rendered by the
+    processor, filling ``prompt.images`` and ``prompt.vision``."""
+    cfg = render.cfg
+    if refs and render.processor is None:
+        model = f"model.path={render.model}" if render.model else "model.path"
+        raise DataError(
+            f"{render.source}: row {number} has images, but {model} is a text-only model; "
+            f"rows with images need a vision-language model (one with a processor)"
+        )
+    if refs and not (cfg.chat_template and getattr(render.processor, "chat_template", None)):
+        raise DataError(
+            f"{render.source}: row {number} has images, which only the processor's chat "
+            f"template places: set data.chat_template=true (and use a model whose processor "
+            f"has a chat template)"
+        )
+    if render.processor is None or not cfg.chat_template:
+        return encode_prompt(render.tokenizer, prompt, system_prompt=cfg.system_prompt,
+                             use_chat_template=cfg.chat_template)
+    images, decoded = _read_images(render, refs, number)
+    messages = prompt.messages or [{"role": "user", "content": str(prompt.text)}]
+    ids, prompt.vision = encode_vl_prompt(
+        render.processor, with_system_prompt(messages, cfg.system_prompt), decoded
+    )
+    prompt.images = images or None
+    return ids
+
+
+def _read_images(render: _Render, refs: list[Any], number: int) -> tuple[list[PromptImage], list[Any]]:
+    images, decoded = [], []
+    try:
+        for k, ref in enumerate(refs, 1):
+            image = read_image(ref, base_dir=render.base_dir, row=number, index=k,
+                               max_bytes=render.cfg.max_image_bytes)
+            decoded.append(decode_image(image, index=k, max_pixels=render.cfg.max_image_pixels))
+            images.append(image)
+    except ImageError as err:
+        raise _BadRow(err.problem, err.hint) from None
+    return images, decoded
 
 
 def _prompt_id(row: dict[str, Any], number: int, name: str, id_field: str | None) -> str:
