@@ -15,7 +15,9 @@ the functions that need it.
 ``lm_head``), which peft leaves out so that the vocabulary projection stays the base's. In
 transformers 5 the routed experts of a mixture of experts are fused 3-d parameters and its
 router is not an ``nn.Linear``, so there ``all-linear`` adapts attention and the shared
-experts, not the routed experts or the router.
+experts, not the routed experts or the router. On a vision-language model (with
+``model.freeze_vision``, the default) the targets are only the language model's linear
+layers (:func:`language_model_targets`): the vision tower and projector stay frozen.
 
 The frozen reference model (KL penalty, DPO) of a LoRA run is the base model itself:
 :func:`adapters_disabled` runs the same module with the adapters off, so no second copy of
@@ -35,6 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rltune.models.load import ModelLoadError
+from rltune.models.vision import is_vision_language, language_model_prefix
 
 if TYPE_CHECKING:
     from rltune.config.schema import LoraConfig
@@ -42,8 +45,14 @@ if TYPE_CHECKING:
 _INSTALL_FIX = "install it with `pip install 'rltune[lora]'`, or unset `model.lora`"
 
 
-def apply_lora(model: PreTrainedModel, cfg: "LoraConfig") -> torch.nn.Module:
+def apply_lora(model: PreTrainedModel, cfg: "LoraConfig", *, language_model_only: bool = True) -> torch.nn.Module:
     """``model`` wrapped with fresh LoRA adapters as ``cfg`` describes (a peft model).
+
+    On a vision-language model with ``language_model_only`` (``model.freeze_vision``),
+    the adapters go only into its language model: ``all-linear`` is every linear layer of
+    the language model, and a named target matches only layers inside it; the vision
+    tower and projector stay as loaded. Without it, ``all-linear`` covers the vision
+    tower and projector too (every linear layer but the output head).
 
     ``model`` is changed in place (its targeted layers are replaced by LoRA layers) and
     becomes the wrapper's base; every parameter outside the adapters and
@@ -68,6 +77,8 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig") -> torch.nn.Module:
                     f"model.lora.{field}: {type(model).__name__} has no module named {target!r}; "
                     f"the names of its layers are {', '.join(_leaf_names(model))}"
                 )
+    if language_model_only and is_vision_language(model):
+        targets = language_model_targets(model, targets)
     config = peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -89,6 +100,24 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig") -> torch.nn.Module:
             return peft.get_peft_model(model, config)
         except ValueError as err:  # e.g. a name matching a whole block, not a layer LoRA supports
             raise ModelLoadError(f"model.lora: peft cannot adapt {type(model).__name__}: {err}") from err
+
+
+def language_model_targets(model: torch.nn.Module, targets: list[str] | None) -> list[str]:
+    """The full names of the linear layers of a vision-language ``model``'s language model
+    that match ``targets`` (peft's rule; ``None``: every one, ``all-linear``)."""
+    prefix = language_model_prefix(model) + "."
+    found = [
+        name for name, module in model.named_modules()
+        if name.startswith(prefix) and isinstance(module, torch.nn.Linear)
+        and (targets is None or any(_matches(name, t) for t in targets))
+    ]
+    if not found:
+        raise ModelLoadError(
+            f"model.lora.target_modules: none of {targets} is a linear layer of the language "
+            f"model of {type(model).__name__} ({prefix[:-1]}); name its layers, or set "
+            f"`model.freeze_vision: false` to adapt the vision tower's"
+        )
+    return found
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -31,6 +31,7 @@ from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import load_model, router_aux_loss_coef
 from rltune.models.lora import apply_lora
 from rltune.models.routing import install_routing
+from rltune.models.vision import freeze_vision, is_vision_language
 from rltune.models.value import load_critic
 from rltune.rewards.scorer import LocalScorer, RewardFn
 from rltune.rollout.hf import HFGenerator, eos_ids
@@ -109,14 +110,19 @@ def learner_options(cfg: Config, algorithm: Algorithm, model: torch.nn.Module) -
 
 
 def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
-    """The policy as the learner and the generators hold it: an MoE model's routers
+    """The policy as the learner and the generators hold it: a vision-language model's
+    vision tower and projector frozen (``model.freeze_vision``), an MoE model's routers
     installed for routing replay and aux-free balancing (``model.moe``) before any
     adapter, wrapper or checkpoint; a dense model with either option is refused here."""
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     set_logprob_chunk_tokens(model, cfg.train.logprob_chunk_tokens)
+    if cfg.model.freeze_vision and is_vision_language(model):
+        freeze_vision(model)
     moe = cfg.model.moe
     install_routing(model, replay=moe.routing_replay == "rollout", aux_free_bias=moe.aux_free_bias)
-    return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
+    if cfg.model.lora is None:
+        return model
+    return apply_lora(model, cfg.model.lora, language_model_only=cfg.model.freeze_vision)
 
 
 def learner_model(cfg: Config, model_dir: str) -> torch.nn.Module:
@@ -124,7 +130,9 @@ def learner_model(cfg: Config, model_dir: str) -> torch.nn.Module:
     reward model for reward_model), LoRA as configured."""
     if is_preference(cfg):
         model = load_preference_model(cfg, model_dir)
-        return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model
+        if cfg.model.lora is None:
+            return model
+        return apply_lora(model, cfg.model.lora, language_model_only=cfg.model.freeze_vision)
     return load_policy(cfg, model_dir)
 
 
