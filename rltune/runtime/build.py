@@ -21,7 +21,7 @@ from rltune.data.collate import collate_sft
 from rltune.data.loaders import load_prompts
 from rltune.data.sampler import PromptSampler
 from rltune.envs.loading import load_env_factory
-from rltune.models.load import load_tokenizer, resolve_model
+from rltune.models.load import load_processor, load_tokenizer, resolve_model
 from rltune.models.lora import adapters_disabled
 from rltune.rewards.scorer import RewardFn, build_reward_fns
 from rltune.runtime.collect import Collector
@@ -35,7 +35,7 @@ from rltune.runtime.rundir import prepare_run_dir
 from rltune.runtime.sources import AheadOfLearner, BatchSource, Experience, Offline, OnPolicy
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,11 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     # before anything is written there: an old run is never overwritten or mixed with this one
     moved = prepare_run_dir(cfg, run_dir)
     model_dir = resolve_model(cfg.model.path)
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    preference = _preference_parts(cfg, model_dir, tokenizer, run_dir) if is_preference(cfg) else None
-    data = _run_data(cfg, inputs, tokenizer, preference)
+    # a vision-language model's processor renders its prompts; its tokenizer is the run's
+    processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir) if is_preference(cfg) else None
+    data = _run_data(cfg, inputs, tokenizer, processor, preference)
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
@@ -104,25 +106,26 @@ def _check_inputs(cfg: Config, config_dir: Path | None) -> _Inputs:
 
 
 def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
-                      run_dir: Path) -> PreferenceParts:
+                      processor: "ProcessorMixin | None", run_dir: Path) -> PreferenceParts:
     """DPO, SimPO, reward model: the model (LoRA-wrapped when configured, so that DPO's
     reference is the base with adapters off), pairs, objective and held-out evaluation.
     DPO's reference log-probs are computed here, before any checkpoint is restored; on
     every runtime this process holds the model for them and for held-out evaluation."""
     model = learner_model(cfg, model_dir) if cfg.model.lora is not None else None
     return build_preference_parts(
-        cfg, model_dir=model_dir, tokenizer=tokenizer, run_dir=run_dir,
+        cfg, model_dir=model_dir, tokenizer=tokenizer, processor=processor, run_dir=run_dir,
         reference_context=adapters_disabled if model is not None else None, model=model,
     )
 
 
 def _run_data(cfg: Config, inputs: _Inputs, tokenizer: "PreTrainedTokenizerBase",
-              preference: PreferenceParts | None) -> RunData:
+              processor: "ProcessorMixin | None", preference: PreferenceParts | None) -> RunData:
     if preference is not None:
         train, held_out, warnings = preference.train_prompts, preference.eval_prompts, preference.data_warnings
     else:
-        train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not inputs.algorithm.online)
-        eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer) if cfg.data.eval else None
+        vl = {"processor": processor, "model": cfg.model.path}
+        train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not inputs.algorithm.online, **vl)
+        eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, **vl) if cfg.data.eval else None
         train = train_set.prompts
         held_out = eval_set.prompts if eval_set and inputs.judged else None
         warnings = skip_warnings(train_set, eval_set)

@@ -59,6 +59,7 @@ def build_preference_parts(
     model_dir: str,
     tokenizer: Any,
     run_dir: Path,
+    processor: Any = None,
     reference_context: ContextFactory | None = None,
     model: torch.nn.Module | None = None,
 ) -> PreferenceParts:
@@ -69,11 +70,13 @@ def build_preference_parts(
     given (e.g. already wrapped with LoRA). For DPO the reference is that model as it is
     now, under ``reference_context`` when given; its log-probs of every train and eval
     pair are read from or written to ``run_dir / reference_logps.safetensors``, so call
-    this before any training step or checkpoint restore.
+    this before any training step or checkpoint restore. ``processor``: a vision-language
+    model's processor, which renders the prompts and their images (:func:`load_prompts`).
     """
     method = preference_method(cfg.algo.name)
-    train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_pairs=True)
-    eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, with_pairs=True) if cfg.data.eval else None
+    vl = {"processor": processor, "model": cfg.model.path}
+    train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_pairs=True, **vl)
+    eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, with_pairs=True, **vl) if cfg.data.eval else None
     eval_prompts = eval_set.prompts[: cfg.eval.max_prompts] if eval_set else None
     if model is None:
         model = load_preference_model(cfg, model_dir)
