@@ -21,7 +21,8 @@ pair: besides the prompt, ``data.chosen_field`` and ``data.rejected_field`` each
 response as a string, or as a list of messages that ends with the one ``assistant``
 message of the response, optionally preceded by the prompt's own messages (the
 conversational format that repeats the prompt; with a string prompt, that prefix is
-``[{"role": "user", "content": PROMPT}]``). A response renders as an SFT target does, its
+``[{"role": "user", "content": PROMPT}]``); an assistant content may also be a list of
+text parts, joined, and a copy of an image prompt has its image parts). A response renders as an SFT target does, its
 content's tokens followed by EOS, right after the rendered prompt, which the two
 responses share token for token; this is also exactly what the policy emits when it
 generates that response. ``meta["chosen"]`` / ``meta["rejected"]`` are the response
@@ -166,14 +167,14 @@ def _row_to_prompt(
         raise _BadRow(str(raw.problem), "fix or remove the line")
     row, cfg, tokenizer = raw.fields, render.cfg, render.tokenizer
     messages, text, refs = _parse_prompt_field(row, cfg.prompt_field)
+    # the prompt as messages, to recognise it at the head of a conversational response
+    asked = messages if messages is not None else [{"role": "user", "content": text}]
     messages, text, refs = _with_field_images(messages, text, refs, row.get(cfg.images_field))
     not_meta = {cfg.prompt_field, cfg.completion_field, cfg.images_field}
     if with_pairs:
         not_meta |= {cfg.chosen_field, cfg.rejected_field}
     meta = {k: v for k, v in row.items() if k not in not_meta}
     if with_pairs:
-        # the prompt as messages, to recognise it at the head of a conversational response
-        asked = messages if messages is not None else [{"role": "user", "content": text}]
         meta["chosen"] = _response_text(row, cfg.chosen_field, asked, "data.chosen_field")
         meta["rejected"] = _response_text(row, cfg.rejected_field, asked, "data.rejected_field")
     if with_completion:
@@ -385,7 +386,9 @@ def _response_text(
             f"messages, got {type(value).__name__}",
             hint,
         )
-    messages = _parse_messages(value, key)
+    # parts allowed: a copy of an image prompt has image parts, and TRL's conversational
+    # vision datasets give the response as text parts
+    messages = _parse_messages(value, key, image_refs=[])
     n = len(prompt_messages)
     if len(messages) > 1 and messages[:n] == prompt_messages:
         messages = messages[n:]
@@ -397,9 +400,14 @@ def _response_text(
             f"removing a leading copy of the prompt its roles are {roles}",
             f"{hint}; the conversation before the response belongs in data.prompt_field",
         )
-    if not messages[0]["content"]:
+    content = messages[0]["content"]
+    if not isinstance(content, str):
+        if any(part["type"] == "image" for part in content):
+            raise _BadRow(f"the assistant message of {key!r} has an image part; a response is text", hint)
+        content = "".join(part["text"] for part in content)
+    if not content:
         raise _BadRow(f"the assistant message of {key!r} is empty", hint)
-    return messages[0]["content"]
+    return content
 
 
 def _check_unique_id(prompt_id: str, number: int, seen: dict[str, int]) -> None:

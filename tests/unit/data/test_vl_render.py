@@ -265,3 +265,18 @@ def test_vision_inputs_hold_the_images_along_dim_0(batched, n):
     assert fake.seen[1]["content"][0] == {"type": "image", "image": red}
     with pytest.raises(ValueError, match="more image parts in the messages than images"):
         encode_vl_prompt(fake, messages, [red] * (n - 1))
+
+
+def test_conversational_pair_responses_of_an_image_prompt(processor, tmp_path, images):
+    asked = image_message({"type": "image", "image": "imgs/red.png"}, {"type": "text", "text": QUESTION})
+    answer = [{"role": "assistant", "content": [{"type": "text", "text": "one"}]}]
+    rows = [{"prompt": asked, "chosen": [*asked, *answer],  # a copy of the prompt, then text parts
+             "rejected": [{"role": "assistant", "content": "two"}]},
+            {"prompt": asked, "chosen": answer,
+             "rejected": [{"role": "assistant", "content": [{"type": "image", "image": "imgs/red.png"}]}]}]
+    cfg = DataConfig(on_bad_row="skip")
+    loaded = load_prompts(write_jsonl(tmp_path / "p.jsonl", rows), cfg, processor.tokenizer,
+                          processor=processor, with_pairs=True)
+    (pair,) = loaded.prompts
+    assert (pair.meta["chosen"], pair.meta["rejected"]) == ("one", "two")
+    assert "the assistant message of 'rejected' has an image part; a response is text" in loaded.skip_examples[0]
