@@ -24,11 +24,12 @@ from rltune.algos import (
 )
 from rltune.algos.registry import ppo_loss_kwargs
 from rltune.config.schema import AlgoConfig
-from rltune.data.records import TrainBatch
+from rltune.data.records import TrainBatch, VisionInputs
 from rltune.metrics import keys
 from rltune.metrics.types import Sum
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
 from rltune.models.value import ValueOutput, value_forward
+from rltune.models.vision import batch_vision_inputs
 
 Metrics = dict[str, torch.Tensor]
 
@@ -38,12 +39,18 @@ def logprob_forward(
     with_entropy: bool = True,
 ) -> LogProbOutput:
     """The policy's per-token log-probs (and, for the train step's metrics, entropy) of
-    ``mb``'s completions; an MoE batch's recorded routes go along (routing replay)."""
+    ``mb``'s completions; an MoE batch's recorded routes go along (routing replay), and a
+    vision-language batch's pixel inputs."""
     return completion_logprobs(
         model, mb.input_ids, mb.attention_mask, mb.prompt_len,
         temperature=temperature, with_entropy=with_entropy, output_router_logits=router_logits,
-        routes=mb.routes,
+        routes=mb.routes, vision=batch_vision(mb),
     )
+
+
+def batch_vision(mb: TrainBatch) -> VisionInputs | None:
+    """The pixel inputs of ``mb``'s rows, concatenated in row order (None: no images)."""
+    return None if mb.vision is None else batch_vision_inputs(mb.vision)
 
 
 logprobs_only = partial(logprob_forward, with_entropy=False)

@@ -40,7 +40,7 @@ from rltune.algos import ALGORITHMS, bradley_terry_loss, dpo_loss, masked_mean, 
 from rltune.config.schema import AlgoConfig
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
-from rltune.learner.objectives import Objective, through_forward
+from rltune.learner.objectives import Objective, batch_vision, through_forward
 from rltune.metrics import keys
 from rltune.models.logprobs import LogProbOutput, completion_logprobs
 from rltune.models.safetensors_io import open_tensors
@@ -289,6 +289,7 @@ def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
         prompt_len=batch.prompt_len,
         loss_mask=batch.loss_mask.to(device),
         ref_seq_logps=None if batch.ref_seq_logps is None else batch.ref_seq_logps.to(device),
+        vision=batch.vision,  # moved by the forward that takes them
     )
 
 
@@ -327,7 +328,7 @@ def reference_seq_logps(
         for rows, batch in pair_batches(prompts, pad_id, budget=budget):
             batch = _to_device(batch, device)
             logps = completion_logprobs(
-                model, batch.input_ids, batch.attention_mask, batch.prompt_len
+                model, batch.input_ids, batch.attention_mask, batch.prompt_len, vision=batch_vision(batch)
             ).logprobs
             seq = sequence_logps(LogProbOutput(logprobs=logps), batch).float().cpu()
             out[torch.tensor(rows)] = torch.stack(chosen_rejected(seq), dim=1)
@@ -335,10 +336,13 @@ def reference_seq_logps(
 
 
 def pairs_fingerprint(prompts: Sequence[Prompt]) -> str:
-    """sha256 of every pair's id and token ids (prompt, chosen, rejected), in order."""
+    """sha256 of every pair's id and token ids (prompt, chosen, rejected), and its images'
+    digests when it has images, in order."""
     h = hashlib.sha256()
     for p in prompts:
         row = [p.id, p.input_ids, p.meta["chosen_ids"], p.meta["rejected_ids"]]
+        if p.images:  # the same tokens over other pictures are other pairs
+            row.append([image.digest for image in p.images])
         h.update(json.dumps(row).encode())
         h.update(b"\n")
     return h.hexdigest()

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from rltune.models.vl_inputs import placeholder_ids, suppress_placeholders
 from rltune.models.vocab_parallel import vocab_parallel_token_stats, vocab_shard
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -96,6 +97,16 @@ def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         return z
 
     return apply
+
+
+def policy_logits(owner: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`logit_transform` of the module that applies ``lm_head``, then, for a
+    vision-language model, its image placeholders suppressed as the generator suppresses
+    them (:mod:`rltune.models.vl_inputs`)."""
+    config = getattr(owner, "config", None)
+    transform = logit_transform(config) if config is not None else (lambda z: z)
+    placeholders = placeholder_ids(owner)
+    return (lambda z: suppress_placeholders(transform(z), placeholders)) if placeholders else transform
 
 
 class ChunkedHead(nn.Module):
@@ -171,9 +182,8 @@ def chunked_stats(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
     :func:`logprob_chunk_tokens` (0: one chunk). For callers that run the body themselves
     (the last pipeline stage)."""
     tokens = logprob_chunk_tokens(model) or max(1, hidden.shape[0] * hidden.shape[1])
-    config = getattr(model, "config", None)
     head = ChunkedHead(model.lm_head, targets, valid, temperature=temperature, with_entropy=with_entropy,
-                       chunk_tokens=tokens, transform=logit_transform(config) if config is not None else (lambda z: z))
+                       chunk_tokens=tokens, transform=policy_logits(model))
     return head.stats(hidden)
 
 
@@ -188,10 +198,8 @@ def chunked_head(model: nn.Module, targets: torch.Tensor, valid: torch.Tensor, *
         raise ValueError(f"{type(model).__name__} has no `lm_head`: chunked log-probs apply the LM head "
                          f"themselves; set train.logprob_chunk_tokens: 0 to read the model's logits instead")
     head = owner._modules["lm_head"]
-    config = getattr(owner, "config", None)
     stand_in = ChunkedHead(head, targets, valid, temperature=temperature, with_entropy=with_entropy,
-                           chunk_tokens=chunk_tokens,
-                           transform=logit_transform(config) if config is not None else (lambda z: z))
+                           chunk_tokens=chunk_tokens, transform=policy_logits(owner))
     owner._modules["lm_head"] = stand_in
     try:
         yield stand_in

@@ -15,9 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rltune.models.chunked import chunked_head, logprob_chunk_tokens
+from rltune.data.records import VisionInputs
+from rltune.models.chunked import chunked_head, head_owner, logprob_chunk_tokens
 from rltune.models.load import is_moe
 from rltune.models.routing import installed_routers, routing_pass
+from rltune.models.vl_inputs import (
+    model_vision_inputs,
+    mrope_owner,
+    mrope_positions,
+    placeholder_ids,
+    suppress_placeholders,
+)
 from rltune.models.vocab_parallel import vocab_parallel_token_stats, vocab_shard
 
 
@@ -94,6 +102,24 @@ def _forward_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, wh
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
 
 
+def _vision_inputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor | None],
+                   vision: VisionInputs | None) -> dict[str, torch.Tensor | None]:
+    """The forward's inputs with a vision-language batch's pixel inputs added and, for an
+    M-RoPE model, its 3-D positions from the model's own rope index with the mask always
+    passed (:mod:`rltune.models.vl_inputs`); the generator's positions, so the same
+    log-probs."""
+    if vision is None:
+        return inputs
+    ids = inputs["input_ids"]
+    out = {**inputs, **model_vision_inputs(vision, ids.device)}
+    owner = mrope_owner(model)
+    if owner is not None:
+        mask = out["attention_mask"]
+        mask = torch.ones_like(ids) if mask is None else mask
+        out["attention_mask"], out["position_ids"] = mask, mrope_positions(owner, ids, mask, vision)[0]
+    return out
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[target]`` as ``logits[target] - logsumexp(logits)``.
 
@@ -122,6 +148,7 @@ def completion_logprobs(
     output_router_logits: bool = False,
     routes: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    vision: VisionInputs | None = None,
 ) -> LogProbOutput:
     """Per-token log-probs of ``input_ids[:, prompt_len:]`` given their prefixes.
 
@@ -145,13 +172,16 @@ def completion_logprobs(
     (:mod:`rltune.models.chunked`), so the ``[B, C, V]`` float32 logits are never whole,
     in the forward or for the backward; 0 reads the full logits; None: the model's
     ``train.logprob_chunk_tokens`` (:func:`~rltune.models.chunked.set_logprob_chunk_tokens`).
+
+    ``vision``: a vision-language batch's pixel inputs, the rows' concatenated in order
+    (:func:`rltune.models.vision.batch_vision_inputs`); image tokens are prompt tokens.
     """
     _check_inputs(input_ids, attention_mask, prompt_len, temperature)
     extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
     whole = bool(extra) or routes is not None or bool(installed_routers(model))
-    inputs = _forward_inputs(input_ids, attention_mask, whole=whole)
+    inputs = _vision_inputs(model, _forward_inputs(input_ids, attention_mask, whole=whole), vision)
     keep = inputs["input_ids"].shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
     with routing_pass(model, attention_mask, prompt_len, routes=routes, count_load=bool(extra)) as routed, \
@@ -159,7 +189,8 @@ def completion_logprobs(
         out = model(**inputs, use_cache=False, logits_to_keep=keep, **extra)
     _check_width(model, out.logits.shape[1] if stand_in is None else stand_in.width, keep)
     logprobs, entropy = stand_in.result if stand_in is not None else _token_stats(
-        out.logits[:, : targets.shape[1]].float() / temperature, targets, valid, with_entropy)  # [B, C, V] logits
+        suppress_placeholders(out.logits[:, : targets.shape[1]].float(), placeholder_ids(head_owner(model)))
+        / temperature, targets, valid, with_entropy)  # [B, C, V] logits
     aux_loss = out.aux_loss if extra else None
     # installed routers count the experts they actually chose (replayed, biased)
     load = routed.load if routed.load is not None or not extra else expert_load(

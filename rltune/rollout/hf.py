@@ -18,11 +18,19 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from rltune.data.collate import left_pad
-from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.data.records import Prompt, Rollout, SamplingParams, VisionInputs
 from rltune.metrics import keys
 from rltune.metrics.types import Metric
 from rltune.models.autocast import autocast_for
 from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
+from rltune.models.vision import batch_vision_inputs
+from rltune.models.vl_inputs import (
+    model_vision_inputs,
+    mrope_owner,
+    mrope_positions,
+    placeholder_ids,
+    suppress_placeholders,
+)
 from rltune.rollout.compiled import CompiledStep
 from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
 from rltune.rollout.sampling import sample_next
@@ -94,6 +102,8 @@ class HFGenerator:
         self._eos = torch.tensor(eos_ids(model, tokenizer))
         self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self._eos[0])
         self._load: torch.Tensor | None = None
+        # a vision-language model never samples its image placeholders (rltune.models.vl_inputs)
+        self._placeholders = placeholder_ids(model)
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         if tensors is not None:
@@ -124,8 +134,10 @@ class HFGenerator:
             # a group's prompt is run once and its cache copied to the group's rows; a
             # route recorder counts rows from the start, so there every row runs its prompt
             shared = params.n if recorder is None else 1
-            rows_ids, rows_mask = ids.repeat_interleave(params.n // shared, 0), mask.repeat_interleave(params.n // shared, 0)
-            tokens, logprobs, lengths, stopped = self._decode(rows_ids, rows_mask, params, repeats=shared)
+            copies = params.n // shared
+            rows_ids, rows_mask = ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0)
+            vision = prompt_vision(prompts, copies)
+            tokens, logprobs, lengths, stopped = self._decode(rows_ids, rows_mask, params, repeats=shared, vision=vision)
         routes = recorder.routes() if recorder is not None else None
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         width = ids.shape[1]
@@ -150,6 +162,8 @@ class HFGenerator:
                     finish_reason="stop" if bool(stopped[row]) else "length",
                     policy_version=self.version,
                     routes=sample_routes,
+                    images=prompts[group].images,
+                    vision=prompts[group].vision,
                 )
             )
         if routes is not None:
@@ -163,10 +177,12 @@ class HFGenerator:
 
     @torch.inference_mode()
     def _decode(
-        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, *, repeats: int = 1
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, *, repeats: int = 1,
+        vision: VisionInputs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sampling loop over ``R = len(ids) * repeats`` rows (each prompt row
-        ``repeats`` times, adjacent). Returns ``tokens [R, C]`` (pad after the end),
+        ``repeats`` times, adjacent); ``vision``: the pixel inputs of ``ids``' rows.
+        Returns ``tokens [R, C]`` (pad after the end),
         ``logprobs [R, C]``, ``lengths [R]`` (EOS included) and ``stopped [R]`` bool."""
         model = self.model
         was_training = model.training
@@ -174,14 +190,14 @@ class HFGenerator:
         device = next(model.parameters()).device
         ids, mask = ids.to(device), mask.to(device)
         rows = ids.shape[0] * repeats
-        lean = self.fastpath and not has_hooks(model)
+        lean = self.fastpath and vision is None and not has_hooks(model)
         if self._compiled is not None and not lean:
             raise RuntimeError("rollout.compile: the model has forward hooks registered, which the "
                                "compiled lean step would skip; remove them or set rollout.compile=false")
         if lean:
             source = LeanDecoder(model, max_new_tokens=params.max_new_tokens, compiled=self._compiled)
         else:
-            source = HFSteps(model, max_new_tokens=params.max_new_tokens)
+            source = HFSteps(model, max_new_tokens=params.max_new_tokens, vision=vision)
         logits = source.prefill(ids, mask, repeats=repeats)
         eos = self._eos.to(device)
         tokens = torch.full((rows, params.max_new_tokens), self._pad, dtype=torch.long, device=device)
@@ -190,7 +206,7 @@ class HFGenerator:
         lengths = torch.full((rows,), params.max_new_tokens, dtype=torch.long, device=device)
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(
-                logits.float(), temperature=params.temperature,
+                suppress_placeholders(logits.float(), self._placeholders), temperature=params.temperature,
                 top_k=params.top_k, top_p=params.top_p, generator=self.rng,
             )
             tok = tok.masked_fill(done, self._pad)
@@ -232,19 +248,33 @@ class HFSteps:
     repeats=n)`` (``R = U n`` rows) then ``step(tokens [R])``, each returning the next position's logits ``[R, V]``.
     Positions count real tokens only (``cumsum(mask) - 1``), so left padding shifts nothing."""
 
-    def __init__(self, model: PreTrainedModel, *, max_new_tokens: int) -> None:
+    deltas: torch.Tensor | None = None
+    """M-RoPE models: ``[R, 1]`` each row's offset of its next position from its token count."""
+
+    def __init__(self, model: PreTrainedModel, *, max_new_tokens: int, vision: VisionInputs | None = None) -> None:
+        """``vision``: the prompts' pixel inputs (rows' concatenated) for a vision-language
+        model; an M-RoPE model (Qwen2-VL) then gets 3-D positions from its own rope index
+        (:mod:`rltune.models.vl_inputs`)."""
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.cache = DynamicCache()
         self.cache_arg = {_cache_kwarg(model): self.cache}
+        device = next(model.parameters()).device
+        self.vision = {} if vision is None else model_vision_inputs(vision, device)
+        self.rope = mrope_owner(model) if vision is not None else None
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
         """Run the prompts once; with ``repeats > 1`` each row's cache is then copied to
-        ``repeats`` adjacent rows, and so are its logits."""
+        ``repeats`` adjacent rows, and so are its logits (and a vision-language prompt's
+        position offsets: its images go through the vision tower once)."""
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        model_positions = positions
+        if self.rope is not None:
+            model_positions, deltas = mrope_positions(self.rope, ids, mask, self.vision)
+            self.deltas = deltas.repeat_interleave(repeats, 0)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions,
-            use_cache=True, logits_to_keep=1, **self.cache_arg,
+            input_ids=ids, attention_mask=mask, position_ids=model_positions,
+            use_cache=True, logits_to_keep=1, **self.cache_arg, **self.vision,
         )
         if repeats > 1:
             self.cache.batch_repeat_interleave(repeats)
@@ -257,8 +287,11 @@ class HFSteps:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.step_mask], dim=1)
         self.next_pos = self.next_pos + 1
+        # M-RoPE: the next token's position is its count plus the prompt's offset, in
+        # all three components (text after the images)
+        positions = self.next_pos if self.rope is None else (self.next_pos + self.deltas).expand(3, -1, -1)
         out = self.model(
-            input_ids=tokens.unsqueeze(-1), attention_mask=self.mask, position_ids=self.next_pos,
+            input_ids=tokens.unsqueeze(-1), attention_mask=self.mask, position_ids=positions,
             use_cache=True, **self.cache_arg,
         )
         return out.logits[:, -1]
@@ -282,6 +315,14 @@ def row_routes(routes: torch.Tensor, row: int, start: int, stop: int) -> torch.T
     if missing:
         taken = torch.cat([taken, taken.new_full((missing, *taken.shape[1:]), NO_ROUTE)])
     return taken.clone()
+
+
+def prompt_vision(prompts: Sequence[Prompt], copies: int = 1) -> VisionInputs | None:
+    """The pixel inputs of the prompts' rows, each prompt's ``copies`` times (rows that
+    run their prompt separately); None when no prompt has images."""
+    if all(p.vision is None for p in prompts):
+        return None
+    return batch_vision_inputs([p.vision for p in prompts for _ in range(copies)])
 
 
 def prompt_ids(prompt: Prompt) -> list[int]:
