@@ -212,6 +212,13 @@ def load_processor(path: str, *, trust_remote_code: bool = False) -> ProcessorMi
             f"the files `processor.save_pretrained` writes (preprocessor_config.json or "
             f"processor_config.json, and the tokenizer's)"
         ) from err
+    if not isinstance(processor, ProcessorMixin):
+        # AutoProcessor hands back the tokenizer alone when it finds no processor class.
+        raise ModelLoadError(
+            f"{directory} names no processor class transformers {transformers.__version__} "
+            f"knows (got a {type(processor).__name__}); set `processor_class` in "
+            f"{directory / 'processor_config.json'}, or save the processor with `processor.save_pretrained`"
+        )
     _padded_left(processor.tokenizer, directory)
     return processor
 
