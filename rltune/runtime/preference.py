@@ -31,6 +31,7 @@ from rltune.learner.preference import (
 from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import load_model
 from rltune.models.reward_model import load_reward_model
+from rltune.models.vision import freeze_vision, is_vision_language
 
 
 @dataclass
@@ -135,6 +136,8 @@ def load_preference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
         return load_reward_model(model_dir, seed=cfg.train.seed, **common)
     model = load_model(model_dir, **common)
     set_logprob_chunk_tokens(model, cfg.train.logprob_chunk_tokens)  # the policy's and the reference's passes
+    if cfg.model.freeze_vision and is_vision_language(model):
+        freeze_vision(model)
     return model
 
 

@@ -111,3 +111,13 @@ def test_load_policy_applies_model_freeze_vision(tiny_vl_dir: str) -> None:
     }
     trained = load_policy(Config(reward=REWARD, model={"freeze_vision": False}), tiny_vl_dir)
     assert all(p.requires_grad for p in trained.parameters())
+
+
+def test_the_dpo_policy_freezes_its_vision_parts_too(tiny_llava_dir: str) -> None:
+    from rltune.runtime.preference import load_preference_model
+
+    model = load_preference_model(Config(algo={"name": "dpo"}), tiny_llava_dir)
+    parts = ("model.vision_tower.", "model.multi_modal_projector.")
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == {
+        n for n, _ in model.named_parameters() if n.startswith(parts)
+    }
