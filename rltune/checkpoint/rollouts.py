@@ -16,6 +16,11 @@ A :class:`QueuedBatch` is saved as:
   ``rollouts``: per rollout its other fields as they are (text, rewards, reward errors,
   finish reason, policy version, turns, ...) and the shape of each tensor field.
 
+A vision-language rollout's ``images`` and ``vision`` are its prompt's objects: they are
+not saved again but taken from the prompt on resume (the data loader renders the same
+pixel inputs from the same images), the JSON keeping each rollout's image digests to check
+that the prompt still has those images.
+
 A field that holds a tensor in one rollout and None in another is saved as it is in each.
 Floats go through JSON exactly (Python writes the shortest repr that reads back the same
 float; NaN and infinities included). No pickle anywhere.
@@ -36,6 +41,8 @@ from rltune.metrics.types import Histogram, Last, Max, Mean, Metric, Min, Sum, a
 
 _METRIC_KINDS = {kind.__name__: kind for kind in (Mean, Sum, Max, Min, Last, Histogram)}
 _ROLLOUT_FIELDS = [f.name for f in fields(Rollout)]
+_FROM_PROMPT = ("images", "vision")
+"""Rollout fields that are the prompt's own objects, taken from the prompt on resume."""
 
 
 @dataclass
@@ -69,12 +76,17 @@ def batches_to_state(
             plain, shapes = {}, {}
             for name in _ROLLOUT_FIELDS:
                 value = getattr(rollout, name)
+                if name in _FROM_PROMPT:
+                    continue
                 if isinstance(value, torch.Tensor):
                     shapes[name] = list(value.shape)
                     flat.setdefault(name, []).append(value.detach().reshape(-1))
                 else:
                     plain[name] = check_json(value, where=f"queued batch {b}, rollout {r}, {name}")
-            rows.append({"fields": plain, "shapes": shapes})
+            row = {"fields": plain, "shapes": shapes}
+            if rollout.images is not None:
+                row["images"] = [image.digest for image in rollout.images]
+            rows.append(row)
         for name, parts in flat.items():
             dtypes = {t.dtype for t in parts}
             if len(dtypes) > 1:
@@ -107,7 +119,8 @@ def batches_from_state(
             prompts.append(train_prompts[i])
         batches.append(QueuedBatch(
             prompts=prompts,
-            rollouts=_rollouts(tensors, saved["rollouts"], b, where=where),
+            rollouts=_with_prompt_images(_rollouts(tensors, saved["rollouts"], b, where=where),
+                                         saved["rollouts"], prompts, b, where=where),
             metrics={name: _metric_from_json(value) for name, value in saved["metrics"].items()},
             version=int(saved["version"]),
         ))
@@ -134,6 +147,25 @@ def _rollouts(tensors: Mapping[str, torch.Tensor], rows: Sequence[Mapping], b: i
         if tensors[f"{b}.{name}"].numel() != used:
             raise CheckpointError(f"{where}: queued batch {b}'s {name} holds more values than its rollouts")
     return out
+
+
+def _with_prompt_images(rollouts: list[Rollout], rows: Sequence[Mapping], prompts: Sequence[Prompt],
+                        b: int, *, where: str) -> list[Rollout]:
+    """``rollouts`` with their prompts' images and pixel inputs (the objects, shared by a
+    group), checked against the image digests saved with each rollout."""
+    by_id = {p.id: p for p in prompts}
+    for r, (rollout, row) in enumerate(zip(rollouts, rows)):
+        saved = row.get("images")
+        prompt = by_id.get(rollout.prompt_id)
+        have = None if prompt is None or prompt.images is None else [image.digest for image in prompt.images]
+        if saved != have:
+            raise CheckpointError(
+                f"{where}: rollout {r} of queued batch {b} was generated from prompt {rollout.prompt_id!r} "
+                f"with images {saved}, and this run's data.train gives it {have}; resume with the same data"
+            )
+        if prompt is not None:
+            rollout.images, rollout.vision = prompt.images, prompt.vision
+    return rollouts
 
 
 def _metric_to_json(value: Any) -> list:
