@@ -21,11 +21,11 @@ pair: besides the prompt, ``data.chosen_field`` and ``data.rejected_field`` each
 response as a string, or as a list of messages that ends with the one ``assistant``
 message of the response, optionally preceded by the prompt's own messages (the
 conversational format that repeats the prompt; with a string prompt, that prefix is
-``[{"role": "user", "content": PROMPT}]``); an assistant content may also be a list of
-text parts, joined, and a copy of an image prompt has its image parts). A response renders as an SFT target does, its
-content's tokens followed by EOS, right after the rendered prompt, which the two
-responses share token for token; this is also exactly what the policy emits when it
-generates that response. ``meta["chosen"]`` / ``meta["rejected"]`` are the response
+``[{"role": "user", "content": PROMPT}]``; an assistant content may also be a list of
+text parts, joined, and a copy of an image prompt has its image parts). A response
+renders as an SFT target does, its content's tokens followed by EOS, right after the
+rendered prompt, which the two responses share token for token; this is also exactly
+what the policy emits when it generates that response. ``meta["chosen"]`` / ``meta["rejected"]`` are the response
 texts and ``meta["chosen_ids"]`` / ``meta["rejected_ids"]`` their tokens; the two raw
 fields are not kept in meta. A pair whose two responses have the same tokens is a bad
 row: it states no preference, and every preference loss gets no gradient from it.

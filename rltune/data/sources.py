@@ -116,7 +116,23 @@ def _read_datasets_dir(path: Path) -> list[RawRow]:
             f"data source {str(path)!r} holds several splits {sorted(loaded)}; point "
             f"data.train / data.eval at one of them, e.g. {str(path / next(iter(loaded)))!r}"
         )
+    features = loaded.features.copy()
+    if _encoded_images(datasets, features):  # rows then hold {"bytes", "path"}, as parquet's do
+        loaded = loaded.cast(features, keep_in_memory=True)
     return [RawRow(i, dict(row)) for i, row in enumerate(loaded, 1)]
+
+
+def _encoded_images(datasets: ModuleType, feature: Any) -> bool:
+    """Set every ``Image`` feature in ``feature`` (a copy) to stay encoded; whether any was
+    found. ``datasets`` would otherwise hand over decoded PIL images, leaving the loader
+    neither the file's bytes (``PromptImage.data``) nor its size before decoding."""
+    if isinstance(feature, datasets.Image):
+        feature.decode = False
+        return True
+    if isinstance(feature, dict):
+        return any([_encoded_images(datasets, f) for f in feature.values()])
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and _encoded_images(datasets, inner)
 
 
 _FILE_READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}

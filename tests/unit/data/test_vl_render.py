@@ -280,3 +280,16 @@ def test_conversational_pair_responses_of_an_image_prompt(processor, tmp_path, i
     (pair,) = loaded.prompts
     assert (pair.meta["chosen"], pair.meta["rejected"]) == ("one", "two")
     assert "the assistant message of 'rejected' has an image part; a response is text" in loaded.skip_examples[0]
+
+
+def test_a_datasets_directory_with_an_image_feature(processor, tmp_path, images):
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"prompt": datasets.Value("string"),
+                                  "images": datasets.List(datasets.Image())})
+    rows = {"prompt": [QUESTION], "images": [[{"bytes": images["red.png"], "path": None}]]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
+    before = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    (prompt,) = load_prompts(str(tmp_path / "hf"), DataConfig(), None, processor=processor).prompts
+    assert prompt.images[0].data == images["red.png"]  # the file's bytes, not a re-encoding
+    assert prompt.vision["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before  # nothing written there
