@@ -26,9 +26,15 @@ class ExportError(ValueError):
     """A run cannot be exported: no such run directory, or an output directory in the way."""
 
 
-def export_hf(model, tokenizer, directory: Path) -> Path:
+# The processor's own files besides the tokenizer's (which the tokenizer writes).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def export_hf(model, tokenizer, directory: Path, *, processor_from: Path | None = None) -> Path:
     """``save_pretrained`` of model and tokenizer into ``directory``, written to a temporary
     sibling first and renamed, so the directory is either the old or the new export.
+    ``processor_from``: a vision-language model's source directory, whose processor files
+    (:data:`PROCESSOR_FILES`) are copied beside the model as they are.
 
     A model with LoRA adapters is written merged (:func:`rltune.models.lora.merged_copy`):
     a plain directory that ``AutoModelForCausalLM.from_pretrained`` loads without peft.
@@ -42,6 +48,9 @@ def export_hf(model, tokenizer, directory: Path) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for name in PROCESSOR_FILES if processor_from is not None else ():
+            if (Path(processor_from) / name).is_file():
+                shutil.copy2(Path(processor_from) / name, tmp / name)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -86,11 +95,11 @@ def export_run(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None) 
     model_dir = resolve_model(cfg.model.path)
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora)
+        model = apply_lora(model, cfg.model.lora, language_model_only=cfg.model.freeze_vision)
     # A checkpoint that does not record its model format holds a full state_dict.
     model_from_state(model, weights, model_meta, where=str(checkpoint))
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    export_hf(model, tokenizer, out_dir)
+    export_hf(model, tokenizer, out_dir, processor_from=Path(model_dir))
     return Path(checkpoint)
 
 

@@ -18,6 +18,7 @@ from rltune.data.records import TrainBatch
 from rltune.learner.learner import LocalLearner, predict
 from rltune.learner.objectives import build_objective, logprobs_only
 from rltune.metrics.types import MetricLike
+from rltune.models.load import resolve_model
 from rltune.models.lora import adapters_disabled, is_lora
 from rltune.rewards.scorer import LocalScorer, RewardFn
 from rltune.runtime.build import build_run as build
@@ -180,7 +181,8 @@ def run_local(cfg: Config, *, config_dir: Path | None = None) -> Run:
         if run.scorer is not None:
             run.scorer.close()
     if cfg.checkpoint.final:
-        export_hf(roles.policy, run.tokenizer, run.run_dir / "final")
+        export_hf(roles.policy, run.tokenizer, run.run_dir / "final",
+                  processor_from=Path(resolve_model(cfg.model.path)))
     return run
 
 

@@ -93,6 +93,7 @@ def _export_final(cfg: Config, run: Run) -> None:
     """The final model as a plain HF directory, from the learner group's weights."""
     from rltune.models.load import resolve_model
 
-    model = learner_model(cfg, resolve_model(cfg.model.path))
+    model_dir = resolve_model(cfg.model.path)
+    model = learner_model(cfg, model_dir)
     model.load_state_dict(run.learner.fetch_weights())
-    export_hf(model, run.tokenizer, run.run_dir / "final")
+    export_hf(model, run.tokenizer, run.run_dir / "final", processor_from=Path(model_dir))
