@@ -25,6 +25,7 @@ same ``rng`` state samples the same completions.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 
 from rltune.config import ConfigError
 from rltune.config.schema import VLLM_RESERVED_ARGS
+from rltune.data.images import decode_image
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.rollout.hf import cut_at_stop, generation_eos_ids, prompt_ids
 
@@ -220,7 +222,7 @@ class VLLMGenerator:
         # vLLM takes n > 1 only when sampling: a greedy prompt is sent n times instead
         copies = params.n if params.temperature == 0 else 1
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.rng).tolist()
-        requests = [TokensPrompt(prompt_token_ids=prompt_ids(p)) for p in prompts for _ in range(copies)]
+        requests = [TokensPrompt(**vllm_request(p)) for p in prompts for _ in range(copies)]
         per_request = [
             VLLMParams(
                 n=params.n // copies, temperature=params.temperature, max_tokens=params.max_new_tokens,
@@ -261,9 +263,29 @@ class VLLMGenerator:
                     text=cut_at_stop(text, params.stop) if params.stop else text,
                     finish_reason=c.finish_reason,
                     policy_version=self.version,
+                    images=prompt.images,
+                    vision=prompt.vision,
                 )
             )
         return rollouts
+
+
+def vllm_request(prompt: Prompt) -> dict[str, Any]:
+    """The fields of a ``vllm.inputs.TokensPrompt`` for ``prompt``: its token ids and, for a
+    prompt with images, ``multi_modal_data={"image": [PIL images]}`` in the order of its
+    image tokens.
+
+    The ids are rltune's, rendered by the model's processor, so the image placeholders are
+    already expanded to each image's token count; vLLM's multi-modal processor finds the
+    expanded placeholders in a token prompt and does not expand them again, so the engine
+    sees the same ids the learner trains on (and returns them as ``prompt_token_ids``).
+    The images were checked against ``data.max_image_pixels`` when the data was loaded."""
+    request: dict[str, Any] = {"prompt_token_ids": prompt_ids(prompt)}
+    if prompt.images:
+        request["multi_modal_data"] = {"image": [
+            decode_image(image, index=k, max_pixels=sys.maxsize) for k, image in enumerate(prompt.images)
+        ]}
+    return request
 
 
 def engine_args(cfg: Any) -> dict[str, Any]:

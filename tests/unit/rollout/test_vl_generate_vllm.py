@@ -1,0 +1,42 @@
+"""The request the vLLM generator sends for a prompt (no engine needed): its token ids,
+and for a prompt with images the decoded images in token order."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import pytest
+from PIL import Image
+
+from rltune.data.images import ImageError
+from rltune.data.records import Prompt, PromptImage
+from rltune.rollout.vllm import vllm_request
+
+
+def _png(size: tuple[int, int], colour: tuple[int, int, int], mode: str = "RGB") -> PromptImage:
+    buf = io.BytesIO()
+    Image.new(mode, size, colour if mode == "RGB" else colour[0]).save(buf, format="PNG")
+    data = buf.getvalue()
+    return PromptImage(source=f"{size}.png", digest=hashlib.sha256(data).hexdigest()[:16], data=data)
+
+
+def test_a_text_prompt_is_its_token_ids_alone() -> None:
+    assert vllm_request(Prompt(id="t", text="1+1=", input_ids=[4, 5, 6])) == {"prompt_token_ids": [4, 5, 6]}
+
+
+def test_a_prompt_with_images_carries_them_decoded_in_order() -> None:
+    images = [_png((30, 20), (255, 0, 0)), _png((8, 12), (0, 0, 0), mode="L")]
+    prompt = Prompt(id="v", text="<image><image>which?", input_ids=[1, 9, 9, 9, 2], images=images)
+    request = vllm_request(prompt)
+    assert request["prompt_token_ids"] == [1, 9, 9, 9, 2]  # placeholders as the processor expanded them
+    got = request["multi_modal_data"]["image"]
+    assert [(im.size, im.mode) for im in got] == [((30, 20), "RGB"), ((8, 12), "RGB")]
+    assert got[0].getpixel((0, 0)) == (255, 0, 0) and got[1].getpixel((3, 3)) == (0, 0, 0)
+
+
+def test_an_image_that_does_not_decode_names_itself() -> None:
+    broken = PromptImage(source="data/cat.png", digest="0" * 16, data=b"\x89PNG not really")
+    prompt = Prompt(id="v", text="<image>", input_ids=[9], images=[broken])
+    with pytest.raises(ImageError, match=r"image 0 \(data/cat.png\)"):
+        vllm_request(prompt)
