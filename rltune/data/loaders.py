@@ -55,9 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from rltune.data.chat import encode_completion, encode_prompt, encode_vl_prompt, with_system_prompt
 from rltune.data.images import ImageError, decode_image, read_image, split_parts
-from rltune.data.records import Prompt, PromptImage
+from rltune.data.records import Prompt, PromptImage, VisionInputs
 from rltune.data.sources import DataError, RawRow, image_dir, open_source
 
 __all__ = ["DataError", "PromptSet", "load_prompts"]
@@ -98,7 +100,8 @@ class _BadRow(Exception):
 class _Render:
     """What turns a source's rows into ids: the tokenizer, a vision-language model's
     processor (None for a text model, named ``model`` in errors) and the directory that
-    relative image paths start from."""
+    relative image paths start from. ``seen`` holds one copy of the pixel inputs of each
+    distinct list of images, shared by every prompt that has those images."""
 
     cfg: DataConfig
     tokenizer: Any
@@ -106,6 +109,7 @@ class _Render:
     model: str | None
     base_dir: Path | None
     source: str
+    seen: dict[tuple[str, ...], VisionInputs] = field(default_factory=dict)
 
 
 def load_prompts(
@@ -321,11 +325,25 @@ def _encode(render: _Render, prompt: Prompt, refs: list[Any], number: int) -> li
                              use_chat_template=cfg.chat_template)
     images, decoded = _read_images(render, refs, number)
     messages = prompt.messages or [{"role": "user", "content": str(prompt.text)}]
-    ids, prompt.vision = encode_vl_prompt(
+    ids, vision = encode_vl_prompt(
         render.processor, with_system_prompt(messages, cfg.system_prompt), decoded
     )
-    prompt.images = images or None
+    if vision is not None:
+        vision = _shared(render.seen, tuple(image.digest for image in images), vision)
+    prompt.images, prompt.vision = images or None, vision
     return ids
+
+
+def _shared(seen: dict[tuple[str, ...], VisionInputs], digests: tuple[str, ...],
+            vision: VisionInputs) -> VisionInputs:
+    """The first copy of equal pixel inputs of the images ``digests`` (several questions
+    about one image keep its pixels once); checked equal, not assumed, since a processor
+    could make them depend on the text."""
+    kept = seen.setdefault(digests, vision)
+    same = kept.keys() == vision.keys() and all(
+        kept[k].shape == v.shape and torch.equal(kept[k], v) for k, v in vision.items()
+    )
+    return kept if same else vision
 
 
 def _read_images(render: _Render, refs: list[Any], number: int) -> tuple[list[PromptImage], list[Any]]:

@@ -293,3 +293,32 @@ def test_a_datasets_directory_with_an_image_feature(processor, tmp_path, images)
     assert prompt.images[0].data == images["red.png"]  # the file's bytes, not a re-encoding
     assert prompt.vision["image_grid_thw"].tolist() == [[1, 8, 8]]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before  # nothing written there
+
+
+def test_prompts_with_the_same_images_share_one_copy_of_their_pixels(processor, tmp_path, images):
+    rows = [{"prompt": QUESTION, "images": ["imgs/red.png"]},
+            {"prompt": "What colour is it?", "images": ["imgs/red.png"]},
+            {"prompt": QUESTION, "images": ["imgs/blue.png"]}]
+    a, b, c = load_prompts(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig(), None,
+                           processor=processor).prompts
+    assert a.vision is b.vision and a.input_ids != b.input_ids
+    assert c.vision is not a.vision
+
+
+class _TextDependentPixels:
+    """A processor whose pixel inputs depend on the prompt's text (its length)."""
+
+    chat_template = "yes"
+
+    def apply_chat_template(self, conversation, **kwargs):
+        text = "".join(p.get("text", "") for m in conversation for p in m["content"])
+        return {"input_ids": torch.tensor([[1, 2]]), "pixel_values": torch.full((1, 3), float(len(text)))}
+
+
+def test_pixels_that_differ_are_not_shared(tmp_path, images):
+    rows = [{"prompt": "a", "images": ["imgs/red.png"]}, {"prompt": "bb", "images": ["imgs/red.png"]},
+            {"prompt": "c", "images": ["imgs/red.png"]}]
+    a, b, c = load_prompts(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig(), None,
+                           processor=_TextDependentPixels()).prompts
+    assert b.vision["pixel_values"].tolist() == [[2.0, 2.0, 2.0]]
+    assert c.vision is a.vision
