@@ -121,3 +121,46 @@ def test_the_dpo_policy_freezes_its_vision_parts_too(tiny_llava_dir: str) -> Non
     assert {n for n, p in model.named_parameters() if not p.requires_grad} == {
         n for n, _ in model.named_parameters() if n.startswith(parts)
     }
+
+
+def _qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    return Qwen2_5_VLConfig(
+        text_config={**_TEXT, "rope_parameters": rope},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, fullatt_block_indexes=[0]),
+        image_token_id=290, video_token_id=291, vision_start_token_id=292, vision_end_token_id=293,
+    )
+
+
+def _gemma3():
+    from transformers import Gemma3Config
+
+    return Gemma3Config(
+        text_config={**_TEXT, "head_dim": 16},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=1, image_token_id=290, boi_token_id=291, eoi_token_id=292,
+    )
+
+
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.mark.parametrize(("config", "vision"), [
+    (_qwen2_5_vl, ("model.visual.",)),
+    (_gemma3, ("model.vision_tower.", "model.multi_modal_projector.")),
+])
+def test_freeze_vision_finds_the_parts_of_other_families(config, vision: tuple[str, ...]) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_config(config())
+    assert is_vision_language(model)
+    assert freeze_vision(model) == _numel(model, *vision) > 0
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == {
+        n for n, _ in model.named_parameters() if n.startswith(vision)
+    }
+    assert language_model_prefix(model) == "model.language_model"
