@@ -230,7 +230,7 @@ def test_builtin_task(chatml_tok, tok_text):
 
 
 @pytest.mark.parametrize("source,match", [
-    ("builtin:nope/train", r"TASK one of \['arith', 'arith_prefs', 'arith_small', 'lookup'\]"),
+    ("builtin:nope/train", r"TASK one of \['arith', 'arith_prefs', 'arith_small', 'lookup', 'shapes', 'shapes_small'\]"),
     ("builtin:arith", "expected builtin:TASK/SPLIT"),
     ("builtin:arith/test", "'train', 'eval' and 'train-sloppy'"),
     ("builtin:arith_small/test", "'train' and 'eval'"),
