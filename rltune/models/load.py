@@ -235,11 +235,18 @@ def _processor(directory: Path, config: dict[str, Any], trust_remote_code: bool)
         return AutoProcessor.from_pretrained(
             directory, local_files_only=True, trust_remote_code=trust_remote_code
         )
+    return _processor_without_video(cls, directory, trust_remote_code)
+
+
+def _processor_without_video(cls: type[ProcessorMixin], directory: Path, trust_remote_code: bool) -> ProcessorMixin:
+    """``cls`` (a processor class with a video processor) built from the directory's image
+    processor, tokenizer and settings, without the video processor (torchvision)."""
     settings, _ = cls.get_processor_dict(str(directory), local_files_only=True)
+    remote = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     image_processor = AutoImageProcessor.from_pretrained(
-        directory, local_files_only=True, processor_config=settings.pop("image_processor", None)
+        directory, processor_config=settings.pop("image_processor", None), **remote
     )
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, **remote)
     for key in ("processor_class", "video_processor", "auto_map"):
         settings.pop(key, None)
     processor = cls.__new__(cls)
