@@ -240,6 +240,8 @@ def _parse_messages(
     also be a list of text and image parts (:func:`rltune.data.images.split_parts`), whose
     image references are appended to ``image_refs``."""
     hint = "each message must be {\"role\": str, \"content\": str}"
+    if image_refs is not None:
+        hint = hint[:-1] + " or a list of text and image parts}"
     if not value:
         raise _BadRow(f"the field {key!r} is an empty list of messages", hint)
     messages = []
