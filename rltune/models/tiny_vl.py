@@ -173,6 +173,11 @@ def build_vl_tokenizer(arch: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def tiny_vl_config(arch: str, **spec: Any) -> PretrainedConfig:
+    """The model config :func:`build_tiny_vl` writes for these arguments (no weights)."""
+    return _FAMILIES[arch][0](build_vl_tokenizer(arch), **spec)[0]
+
+
 def build_tiny_vl(directory: str | Path, *, arch: str, seed: int = 0, **spec: Any) -> Path:
     """Write a small random vision-language model, its tokenizer and processor to ``directory``.
 

@@ -121,8 +121,10 @@ def layout_problems(layout: Layout, world: int, model_config: Any) -> list[str]:
 
 
 def _model_problems(layout: Layout, config: Any) -> list[str]:
-    """The problems of ``layout`` that come from the model's shapes."""
+    """The problems of ``layout`` that come from the model's shapes (a vision-language
+    model's are its language model's: the learner's layout splits that)."""
     problems = []
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = getattr(config, "model_type", "the model")
     counts = {key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads", "vocab_size")}
     counts = {key: int(n) for key, n in counts.items() if n is not None}
@@ -149,6 +151,7 @@ def _model_problems(layout: Layout, config: Any) -> list[str]:
 
 def expert_count(config: Any) -> int:
     """How many routed experts a model's config names (0 for a dense model)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return max(int(getattr(config, key, None) or 0) for key in _EXPERT_COUNT_KEYS)
 
 
@@ -179,10 +182,13 @@ def model_config_of(model_path: str, *, trust_remote_code: bool = False) -> Any:
 
     if model_path.startswith(BUILTIN_PREFIX):
         from rltune.models.tiny import ARCH_CONFIGS, SPECIAL_TOKENS, TINY_SPECS
+        from rltune.models.tiny_vl import TINY_VL_SPECS, tiny_vl_config
 
         name = model_path[len(BUILTIN_PREFIX):]
+        if name in TINY_VL_SPECS:
+            return tiny_vl_config(**TINY_VL_SPECS[name])
         if name not in TINY_SPECS:
-            known = ", ".join(BUILTIN_PREFIX + n for n in TINY_SPECS)
+            known = ", ".join(BUILTIN_PREFIX + n for n in (*TINY_SPECS, *TINY_VL_SPECS))
             raise ModelLoadError(f"unknown builtin model {model_path!r}; set `model.path` to one of {known}")
         spec = dict(TINY_SPECS[name])
         # the byte-level tokenizer of rltune.models.tiny: its special tokens, then 256 bytes

@@ -86,3 +86,12 @@ def test_which_configs_are_vision_language() -> None:
 def test_the_lean_decoder_never_takes_a_vlm(tiny_vl_dir: str, tiny_llava_dir: str) -> None:
     assert not supports_fastpath(load_model(tiny_vl_dir))
     assert not supports_fastpath(load_model(tiny_llava_dir))
+
+
+def test_the_layout_check_reads_a_vlm_language_models_shapes(tiny_vl_dir: str) -> None:
+    from rltune.parallel.layout import Layout, layout_problems, model_config_of
+
+    for config in (model_config_of("builtin:tiny-vl"), model_config_of(tiny_vl_dir)):
+        (problem,) = layout_problems(Layout(tp=3), 3, config)
+        assert "tp=3 does not divide qwen2_vl_text's num_attention_heads=4, num_key_value_heads=2 (" in problem  # 264 ids split in 3
+        assert layout_problems(Layout(tp=2), 2, config) == []
