@@ -62,16 +62,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def body_hidden_states(
-    body: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    body: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    vision: VisionInputs | None = None,
 ) -> torch.Tensor:
     """``[B, T, H]`` last hidden states of a transformer body (an LM without its head),
-    positions from the mask as in :func:`completion_logprobs`; for value and score heads."""
-    return body(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
+    positions from the mask as in :func:`completion_logprobs`; for value and score heads.
+    ``vision``: a vision-language body's pixel inputs, as :func:`completion_logprobs` takes them."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+              "position_ids": position_ids_from_mask(attention_mask)}
+    return body(**_vision_inputs(body, inputs, vision), use_cache=False).last_hidden_state
 
 
 def causal_suffices(attention_mask: torch.Tensor) -> bool:

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rltune.data.records import VisionInputs
 from rltune.models.load import load_model
 from rltune.models.logprobs import body_hidden_states
+from rltune.models.vision import batch_vision_inputs
 
 
 @dataclass
@@ -43,19 +45,23 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        hidden = body_hidden_states(self.body, input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                vision: VisionInputs | None = None) -> torch.Tensor:
+        """``vision``: a vision-language batch's pixel inputs (the rows' concatenated)."""
+        hidden = body_hidden_states(self.body, input_ids, attention_mask, vision)
         states = hidden[:, prompt_len - 1 : -1].float()  # [B, C, H]: the state before each token
         values = self.head(states).squeeze(-1)
         return torch.where(attention_mask[:, prompt_len:].bool(), values, values.new_zeros(()))
 
 
 def load_critic(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> ValueModel:
-    """A critic whose body is the causal LM in ``path`` without its LM head."""
+    """A critic whose body is the causal LM in ``path`` without its LM head (for a
+    vision-language model, its vision tower, projector and language model)."""
     lm = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return ValueModel(lm.base_model, lm.config.hidden_size)
+    return ValueModel(lm.base_model, lm.config.get_text_config().hidden_size)
 
 
 def value_forward(model: ValueModel, mb, *, temperature: float, router_logits: bool) -> ValueOutput:
     """The learner's forward for a critic (``temperature`` and ``router_logits`` unused)."""
-    return ValueOutput(values=model(mb.input_ids, mb.attention_mask, mb.prompt_len))
+    vision = None if mb.vision is None else batch_vision_inputs(mb.vision)
+    return ValueOutput(values=model(mb.input_ids, mb.attention_mask, mb.prompt_len, vision))

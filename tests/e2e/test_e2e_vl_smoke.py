@@ -1,6 +1,6 @@
 """builtin:tiny-vl (a tiny Qwen2-VL) trains with each kind of algorithm on a jsonl of PNG
 prompts: GRPO (generator with pixel inputs, learner log-probs with the same: no
-mismatch), SFT and DPO (reference log-probs with images) run two steps each to finite
+mismatch), PPO (a vision-language critic), SFT and DPO (reference log-probs with images) run two steps each to finite
 losses; the language model moves while the frozen vision tower stays; and a GRPO run
 generating one step ahead (rollouts with pixel inputs queued in its checkpoint) resumes
 exactly."""
@@ -84,6 +84,7 @@ def _moved(run, before: dict[str, torch.Tensor]) -> tuple[bool, bool]:
 
 @pytest.mark.parametrize("algo, extra", [
     ("grpo", ["algo.group_size=3", "REWARD"]),
+    ("ppo", ["algo.group_size=2", "REWARD"]),  # the critic takes the pixel inputs too
     ("sft", []),
     ("dpo", ["algo.beta=0.1"]),
 ])
@@ -94,7 +95,7 @@ def test_two_steps_on_images(tmp_path, dataset, algo, extra) -> None:
     history = train(run)
     losses = _losses(history)
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
-    if algo == "grpo":  # the learner's log-probs of the samples are the generator's
+    if algo in ("grpo", "ppo"):  # the learner's log-probs of the samples are the generator's
         assert all(m["logprob_mismatch"] < 1e-5 for m in history), [m["logprob_mismatch"] for m in history]
     assert _moved(run, before) == (True, False)  # model.freeze_vision: the tower stays
 

@@ -1,6 +1,7 @@
 """Log-probs of vision-language batches outside GRPO's generator: LLaVA (ordinary
-positions) through the generator and the learner, and DPO's frozen-reference log-probs of
-pairs with images, each against transformers' own forward on the unpadded sequence."""
+positions) through the generator and the learner, DPO's frozen-reference log-probs of
+pairs with images, and the critic body's hidden states, each against transformers' own
+forward on the unpadded sequence."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
-from rltune.data.collate import collate_rollouts
+from rltune.data.collate import collate_rollouts, left_pad
 from rltune.data.records import Prompt, PromptImage, SamplingParams
 from rltune.learner.objectives import logprob_forward
 from rltune.learner.preference import pairs_fingerprint, reference_seq_logps
 from rltune.models.load import load_model, load_processor, resolve_model
-from rltune.models.vision import image_token_ids
+from rltune.models.logprobs import body_hidden_states
+from rltune.models.vision import batch_vision_inputs, image_token_ids
 from rltune.models.vl_inputs import SUPPRESSED, token_types
 from rltune.rollout.hf import HFGenerator
 
@@ -102,3 +104,19 @@ def test_pairs_fingerprint_covers_the_images() -> None:
     # a text pair's fingerprint is what it was before images existed (caches stay valid)
     before = hashlib.sha256(json.dumps(["p", [1], [2], [3]]).encode() + b"\n").hexdigest()
     assert pairs_fingerprint([pair(None)]) == before
+
+
+@torch.no_grad()
+def test_critic_body_hidden_states_take_the_pixel_inputs(tiny_vl) -> None:
+    """PPO's critic on a vision-language model: its body's hidden states of a left-padded
+    batch are those of the body's own forward on each unpadded row."""
+    model, processor = tiny_vl
+    prompts = [_prompt(processor, "a", (112, 112), (200, 30, 90), "how many red?"),
+               _prompt(processor, "b", (168, 112), (20, 130, 190), "which colour is the largest one?")]
+    ids, mask = left_pad([torch.tensor(p.input_ids) for p in prompts], processor.tokenizer.pad_token_id)
+    vision = batch_vision_inputs([p.vision for p in prompts])
+    hidden = body_hidden_states(model.model, ids, mask, vision)
+    for row, p in enumerate(prompts):
+        own = torch.tensor([p.input_ids])
+        expected = model.model(input_ids=own, mm_token_type_ids=token_types(model.model, own), **p.vision).last_hidden_state
+        torch.testing.assert_close(hidden[row, -len(p.input_ids):], expected[0], atol=1e-5, rtol=0)
