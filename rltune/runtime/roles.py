@@ -160,6 +160,8 @@ def critic_learner(cfg: Config, model_dir: str) -> LocalLearner:
     critic = load_critic(
         cfg.model.critic_path or model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
     )
+    if cfg.model.freeze_vision and is_vision_language(critic.body):
+        freeze_vision(critic.body)  # model.freeze_vision holds for the critic's tower and projector too
     lr = cfg.algo.critic_lr if cfg.algo.critic_lr is not None else cfg.train.lr
     updates = cfg.algo.epochs * cfg.algo.minibatches
     return LocalLearner(critic, value_objective(cfg.algo), cfg.train.model_copy(update={"lr": lr}), updates_per_step=updates)

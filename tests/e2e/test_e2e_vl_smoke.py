@@ -98,6 +98,8 @@ def test_two_steps_on_images(tmp_path, dataset, algo, extra) -> None:
     if algo in ("grpo", "ppo"):  # the learner's log-probs of the samples are the generator's
         assert all(m["logprob_mismatch"] < 1e-5 for m in history), [m["logprob_mismatch"] for m in history]
     assert _moved(run, before) == (True, False)  # model.freeze_vision: the tower stays
+    if run.roles.critic is not None:  # PPO's critic keeps its tower frozen too
+        assert not any(p.requires_grad for p in run.roles.critic.model.body.visual.parameters())
 
 
 def test_grpo_one_step_ahead_resumes_exactly(tmp_path, dataset) -> None:
