@@ -6,15 +6,20 @@ read as ``[image]``; a text rollout has no thumbnail; nothing is logged as an er
 
 The run directory is written here the way a run writes it (``samples.jsonl`` through
 :class:`rltune.runtime.sinks.SampleLog`, the PNGs drawn with Pillow), so the test takes
-seconds."""
+seconds. A slow case makes the run directory with one real GRPO step of
+``builtin:tiny-vl`` on ``builtin:shapes`` instead."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,28 +81,43 @@ def write_vl_run(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    root = tmp_path_factory.mktemp("images-dashboard")
-    write_vl_run(root / "runs" / "shapes")
-    server = make_server([root / "runs"], port=0, token=TOKEN)
+def browser() -> Iterator[Any]:
+    """One Chromium for the module (Playwright's sync API runs one instance per thread)."""
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@contextmanager
+def dashboard_page(browser: Any, runs: Path) -> Iterator[Any]:
+    """The dashboard of the runs under ``runs`` (token on), open in a new tab once it shows
+    a rollout; ``page.problems`` gathers console and page errors."""
+    server = make_server([runs], port=0, token=TOKEN)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    tab = browser.new_page(viewport={"width": 1440, "height": 900})
     try:
-        with sync_api.sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-            try:
-                tab = browser.new_page(viewport={"width": 1440, "height": 900})
-                tab.problems = []
-                tab.on("console", lambda msg: tab.problems.append(f"console {msg.type}: {msg.text}")
-                       if msg.type == "error" else None)
-                tab.on("pageerror", lambda err: tab.problems.append(f"page error: {err}"))
-                tab.goto(f"{server.url}?token={TOKEN}")
-                tab.wait_for_selector('#sample-rows tr[data-run="shapes"]', timeout=WAIT_MS)
-                yield tab
-            finally:
-                browser.close()
+        tab.problems = []
+        tab.on("console", lambda msg: tab.problems.append(f"console {msg.type}: {msg.text}")
+               if msg.type == "error" else None)
+        tab.on("pageerror", lambda err: tab.problems.append(f"page error: {err}"))
+        tab.goto(f"{server.url}?token={TOKEN}")
+        tab.wait_for_selector("#sample-rows tr", timeout=WAIT_MS)
+        yield tab
     finally:
+        tab.close()
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="module")
+def page(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    root = tmp_path_factory.mktemp("images-dashboard")
+    write_vl_run(root / "runs" / "shapes")
+    with dashboard_page(browser, root / "runs") as tab:
+        yield tab
 
 
 def row_with(page: Any, completion: str) -> Any:
@@ -131,3 +151,23 @@ def test_a_text_rollout_has_no_thumbnail_and_image_parts_read_as_text(page: Any)
 
 def test_no_console_or_page_errors(page: Any) -> None:
     assert page.problems == []
+
+
+@pytest.mark.slow
+def test_a_real_vision_language_runs_rollouts_show_their_images(browser: Any, tmp_path: Path) -> None:
+    """One GRPO step of builtin:tiny-vl on builtin:shapes (about 35 s on two busy cores):
+    every rollout row shows its prompt's 112x112 scene, loaded."""
+    (tmp_path / "c.yaml").write_text("name: shapes-vl\n")
+    args = ["model.path=builtin:tiny-vl", "algo.name=grpo", "algo.group_size=2", "data.train=builtin:shapes/train",
+            "reward.0.fn=builtin:exact_text", "rollout.max_new_tokens=4", "train.steps=1",
+            "train.prompts_per_step=2", "train.threads=1", "log.dir=runs", "log.console=false",
+            "checkpoint.final=false"]
+    done = subprocess.run([sys.executable, "-m", "rltune.cli", "train", "c.yaml", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with dashboard_page(browser, tmp_path / "runs") as tab:
+        rows = tab.locator('#sample-rows tr[data-run="shapes-vl"]')
+        assert rows.count() == 4
+        for i in range(4):
+            assert loaded_sizes(rows.nth(i)) == [[112, 112]]
+        assert tab.problems == []
