@@ -119,3 +119,23 @@ def test_placeholders_are_never_sampled(tiny_vl, two_prompts) -> None:
     ids = torch.cat([r.completion_ids for r in rollouts])
     assert not bool((ids == model.config.image_token_id).any())
     assert all(bool(torch.isfinite(r.completion_logprobs).all()) for r in rollouts)
+
+
+def test_a_batch_of_text_and_image_prompts(tiny_vl, two_prompts) -> None:
+    """A text prompt beside an image prompt: the text row gets ordinary positions, the
+    image row its M-RoPE ones; both sides agree with the own forward."""
+    model, processor = tiny_vl
+    messages = [{"role": "user", "content": "How many red shapes are there?"}]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = Prompt(id="t", messages=messages, input_ids=processor.tokenizer.encode(rendered, add_special_tokens=False))
+    prompts = [text, two_prompts[1]]
+    generator = HFGenerator(model, processor.tokenizer, rng=torch.Generator().manual_seed(5))
+    rollouts = generator.generate(prompts, SamplingParams(n=2, max_new_tokens=6))
+    assert [r.vision is None for r in rollouts] == [True, True, False, False]
+    batch = collate_rollouts(rollouts, processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        learner = logprob_forward(model, batch, temperature=1.0, router_logits=False).logprobs
+    torch.testing.assert_close(learner, batch.behaviour_logprobs, atol=1e-5, rtol=0)
+    for r in rollouts[2:]:
+        torch.testing.assert_close(r.completion_logprobs, own_forward_logprobs(model, prompts[1], r.completion_ids),
+                                   atol=1e-5, rtol=0)
