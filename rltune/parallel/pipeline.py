@@ -275,6 +275,9 @@ def equalise(micro: list[TrainBatch], count: int) -> EqualBatches:
     lockstep group runs with no rows of its own; their loss is zero)."""
     if not micro or count < len(micro):
         raise ValueError(f"equalise: {len(micro)} micro-batch(es) into {count} forwards")
+    if any(m.vision is not None for m in micro):
+        raise ValueError("pipeline parallelism (train.parallel.pp > 1) runs token ids only, and this batch "
+                         "has images: train a vision-language model with pp: 1")
     rows = max(len(m) for m in micro)
     prompt = max(m.prompt_len for m in micro)
     completion = max(m.completion_len for m in micro)
