@@ -57,6 +57,14 @@ class _Episode:
     error: str | None = None
     last_text: str = ""
     cut: bool = False
+    own_prompt: bool = True
+    """``prompt_ids`` are the prompt's own (not a first observation of ``env.reset``), so its
+    images and pixel inputs go with every turn."""
+
+    def context(self) -> Prompt:
+        """The prompt of the next turn: the episode so far, with the prompt's images."""
+        images, vision = (self.prompt.images, self.prompt.vision) if self.own_prompt else (None, None)
+        return Prompt(id=self.prompt.id, text="", input_ids=self.prompt_ids + self.ids, images=images, vision=vision)
 
 
 class EpisodeGenerator:
@@ -122,15 +130,14 @@ class EpisodeGenerator:
             return episode
         if first is not None:
             episode.prompt_ids = self.encode(Prompt(id=prompt.id, text=first, meta=prompt.meta))
+            episode.own_prompt = False
         if not episode.prompt_ids:
             raise ValueError(f"prompt {prompt.id!r} has no input_ids: load it through rltune.data")
         return episode
 
     def _play_turn(self, live: list[_Episode], params: SamplingParams, stop: tuple[str, ...], *, last: bool) -> None:
         budget = [self.max_total_tokens - len(e.ids) for e in live]
-        contexts = [
-            Prompt(id=e.prompt.id, text="", input_ids=e.prompt_ids + e.ids) for e in live
-        ]
+        contexts = [e.context() for e in live]
         turn_params = SamplingParams(
             n=1, max_new_tokens=max(1, min(params.max_new_tokens, max(budget))),
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, stop=stop,
@@ -200,6 +207,8 @@ class EpisodeGenerator:
             turns=e.turns,
             env_reward=None if e.error else e.reward,
             env_error=e.error,
+            images=e.prompt.images if e.own_prompt else None,
+            vision=e.prompt.vision if e.own_prompt else None,
         )
 
 

@@ -17,7 +17,10 @@ from rltune.models.logprobs import completion_logprobs
 from rltune.models.vision import image_token_ids
 from rltune.models.vl_inputs import SUPPRESSED, token_types
 from rltune.rollout.fastpath import supports_fastpath
-from rltune.rollout.hf import HFGenerator
+from rltune.envs.base import StepResult
+from rltune.envs.episodes import EpisodeGenerator
+from rltune.envs.tool_format import turn_glue
+from rltune.rollout.hf import HFGenerator, eos_ids
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +142,30 @@ def test_a_batch_of_text_and_image_prompts(tiny_vl, two_prompts) -> None:
     for r in rollouts[2:]:
         torch.testing.assert_close(r.completion_logprobs, own_forward_logprobs(model, prompts[1], r.completion_ids),
                                    atol=1e-5, rtol=0)
+
+
+class _Echo:
+    """An environment that answers every turn with one observation, for two turns."""
+
+    def reset(self, prompt: Prompt) -> None:
+        return None
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(observation="look again")
+
+
+def test_multi_turn_episodes_keep_the_prompts_images(tiny_vl, two_prompts) -> None:
+    """Every turn of an episode sees the prompt's images; the learner scores the model's
+    turns of the finished episode (pixel inputs of its prompt) as they were sampled."""
+    model, processor = tiny_vl
+    tok = processor.tokenizer
+    generator = HFGenerator(model, tok, rng=torch.Generator().manual_seed(7))
+    runner = EpisodeGenerator(generator, tok, _Echo, glue=turn_glue(tok), encode=None, max_turns=2,
+                              max_total_tokens=200, eos_ids=eos_ids(model, tok))
+    rollouts = runner.generate(two_prompts, SamplingParams(n=2, max_new_tokens=4))
+    assert all(r.vision is two_prompts[r.group].vision for r in rollouts)
+    assert all(0 < float(r.loss_mask.sum()) < len(r.loss_mask) for r in rollouts)  # a tool turn between two
+    batch = collate_rollouts(rollouts, tok.pad_token_id)
+    with torch.no_grad():
+        learner = logprob_forward(model, batch, temperature=1.0, router_logits=False).logprobs
+    torch.testing.assert_close(learner * batch.loss_mask, batch.behaviour_logprobs * batch.loss_mask, atol=1e-5, rtol=0)
