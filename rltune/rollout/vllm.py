@@ -35,6 +35,7 @@ from rltune.config import ConfigError
 from rltune.config.schema import VLLM_RESERVED_ARGS
 from rltune.data.images import decode_image
 from rltune.data.records import Prompt, Rollout, SamplingParams
+from rltune.models.load import is_vision_language_config
 from rltune.rollout.hf import cut_at_stop, generation_eos_ids, prompt_ids
 
 
@@ -199,13 +200,15 @@ class VLLMGenerator:
         return names
 
     def _skeleton(self) -> torch.nn.Module:
-        """The HF model of ``model_dir`` on the meta device (built once)."""
+        """The HF model of ``model_dir`` on the meta device (built once); a vision-language
+        model's whole (tower, projector, language model), as the learner sends it."""
         if self._meta_model is None:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
             config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
+            vision = is_vision_language_config(config.to_dict())
             with torch.device("meta"):
-                self._meta_model = AutoModelForCausalLM.from_config(
+                self._meta_model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(
                     config, torch_dtype=getattr(torch, self.dtype), trust_remote_code=self.trust_remote_code
                 )
         return self._meta_model

@@ -1,5 +1,6 @@
-"""The request the vLLM generator sends for a prompt (no engine needed): its token ids,
-and for a prompt with images the decoded images in token order."""
+"""The parts of the vLLM generator for vision-language models that need no engine: the
+request for a prompt (its token ids, and for a prompt with images the decoded images in
+token order) and the weights the engine takes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from PIL import Image
 
 from rltune.data.images import ImageError
 from rltune.data.records import Prompt, PromptImage
-from rltune.rollout.vllm import vllm_request
+from rltune.models.load import load_model, resolve_model
+from rltune.rollout.vllm import VLLMGenerator, vllm_request
 
 
 def _png(size: tuple[int, int], colour: tuple[int, int, int], mode: str = "RGB") -> PromptImage:
@@ -40,3 +42,15 @@ def test_an_image_that_does_not_decode_names_itself() -> None:
     prompt = Prompt(id="v", text="<image>", input_ids=[9], images=[broken])
     with pytest.raises(ImageError, match=r"image 0 \(data/cat.png\)"):
         vllm_request(prompt)
+
+
+def test_the_weights_a_vision_language_engine_takes_are_the_whole_models(tmp_path) -> None:
+    """The names the learner must send: those of the loaded vision-language model (tower,
+    projector, language model; the tied head once), not of a causal LM's."""
+    path = resolve_model("builtin:tiny-vl", cache_dir=str(tmp_path))
+    generator = VLLMGenerator.__new__(VLLMGenerator)  # the skeleton needs no engine
+    generator._meta_model, generator.model_dir, generator.trust_remote_code, generator.dtype = None, path, False, "float32"
+    model = load_model(path)
+    untied = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if n in model.state_dict()}
+    assert generator.required_names() == untied
+    assert any(n.startswith("model.visual.") for n in untied)
