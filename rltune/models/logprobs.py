@@ -19,6 +19,7 @@ from rltune.data.records import VisionInputs
 from rltune.models.chunked import chunked_head, head_owner, logprob_chunk_tokens
 from rltune.models.load import is_moe
 from rltune.models.routing import installed_routers, routing_pass
+from rltune.models.shared_prompt import prompt_groups, shared_prompt_stats, shares_prompts
 from rltune.models.vl_inputs import (
     model_vision_inputs,
     mrope_owner,
@@ -159,7 +160,9 @@ def completion_logprobs(
 
     ``position_ids`` come from ``attention_mask`` (:func:`position_ids_from_mask`), so left
     padding does not shift positions. The forward leaves out the last column, and without
-    left padding the mask (:func:`_forward_inputs`): the same log-probs, less work. With ``output_router_logits`` an MoE model also
+    left padding the mask (:func:`_forward_inputs`): the same log-probs, less work. Rows
+    that share their prompt (a group's samples, a pair's two responses) run it once where
+    the model allows (:mod:`rltune.models.shared_prompt`). With ``output_router_logits`` an MoE model also
     returns its router load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6,
     over the attended tokens of the whole sequence) as ``aux_loss``; a dense model None.
 
@@ -180,6 +183,12 @@ def completion_logprobs(
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
     whole = bool(extra) or routes is not None or bool(installed_routers(model))
+    groups = None if whole or vision is not None or not shares_prompts(model) else prompt_groups(
+        input_ids, attention_mask, prompt_len)
+    if groups is not None:  # rows share prompts: each distinct one runs once
+        logprobs, entropy = shared_prompt_stats(model, input_ids, attention_mask, prompt_len, groups,
+                                                temperature=temperature, with_entropy=with_entropy)
+        return LogProbOutput(logprobs=logprobs, entropy=entropy)
     inputs = _vision_inputs(model, _forward_inputs(input_ids, attention_mask, whole=whole), vision)
     keep = inputs["input_ids"].shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
