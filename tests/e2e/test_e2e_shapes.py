@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from rltune.config import load_config
-from rltune.runtime.local import build_run
-from rltune.runtime.loop import train
+from rltune.runtime.local import run_local
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
 
@@ -29,9 +28,10 @@ ACCURACY = "eval/reward/mean"  # exact_text scores 1 or 0: the mean is the accur
 
 
 def _train(recipe: Path | None, root: Path, *overrides: str) -> list[dict]:
-    """Train ``recipe`` with ``overrides`` under ``root``; its metrics.jsonl rows."""
+    """Train ``recipe`` with ``overrides`` under ``root`` as ``rltune train`` does (the final
+    weights exported to ``root/NAME/final``); its metrics.jsonl rows."""
     cfg = load_config(recipe, [f"log.dir={root}", "log.console=false", *overrides])
-    train(build_run(cfg))
+    run_local(cfg)
     lines = (root / cfg.name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
