@@ -153,28 +153,23 @@ def completion_logprobs(
     """Per-token log-probs of ``input_ids[:, prompt_len:]`` given their prefixes.
 
     ``logp[b, j] = z[tok] - logsumexp(z)`` with ``z = logits[b, P + j - 1] / temperature``,
-    computed in float32 even when the model runs in bfloat16 (only the ``[B, C, V]`` slice
-    that is needed is upcast). ``temperature`` must be the one the sampler used, so the
-    log-probs are those of the distribution the tokens were drawn from (PPO ratios against
-    engine log-probs depend on it); it must be positive.
+    in float32 even when the model runs in bfloat16. ``temperature`` (positive) must be the
+    sampler's, so the log-probs are those of the distribution the tokens were drawn from.
 
     ``position_ids`` come from ``attention_mask`` (:func:`position_ids_from_mask`), so left
     padding does not shift positions. The forward leaves out the last column, and without
-    left padding the mask (:func:`_forward_inputs`): the same log-probs, less work. Rows
-    that share their prompt (a group's samples, a pair's two responses) run it once where
-    the model allows (:mod:`rltune.models.shared_prompt`). With ``output_router_logits`` an MoE model also
-    returns its router load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6,
-    over the attended tokens of the whole sequence) as ``aux_loss``; a dense model None.
+    left padding the mask (:func:`_forward_inputs`); rows that share their prompt run it
+    once where the model allows (:mod:`rltune.models.shared_prompt`): the same log-probs,
+    less work. With ``output_router_logits`` an MoE model also returns its router
+    load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6, over the attended
+    tokens of the whole sequence) as ``aux_loss``; a dense model None.
 
     ``routes`` ``[B, T, L, k]``: the experts the generator routed each token to; a model
     installed with replay (:func:`rltune.models.routing.install_routing`) routes through
     them, and the output's ``route_agreement`` counts how often its own router agrees.
-
     ``chunk_tokens``: the head runs on that many completion tokens at a time
-    (:mod:`rltune.models.chunked`), so the ``[B, C, V]`` float32 logits are never whole,
-    in the forward or for the backward; 0 reads the full logits; None: the model's
-    ``train.logprob_chunk_tokens`` (:func:`~rltune.models.chunked.set_logprob_chunk_tokens`).
-
+    (:mod:`rltune.models.chunked`): the ``[B, C, V]`` float32 logits are never whole; 0
+    reads the full logits; None: the model's ``train.logprob_chunk_tokens``.
     ``vision``: a vision-language batch's pixel inputs, the rows' concatenated in order
     (:func:`rltune.models.vision.batch_vision_inputs`); image tokens are prompt tokens.
     """
@@ -183,12 +178,9 @@ def completion_logprobs(
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
     whole = bool(extra) or routes is not None or bool(installed_routers(model))
-    groups = None if whole or vision is not None or not shares_prompts(model) else prompt_groups(
-        input_ids, attention_mask, prompt_len)
-    if groups is not None:  # rows share prompts: each distinct one runs once
-        logprobs, entropy = shared_prompt_stats(model, input_ids, attention_mask, prompt_len, groups,
-                                                temperature=temperature, with_entropy=with_entropy)
-        return LogProbOutput(logprobs=logprobs, entropy=entropy)
+    if (shared := _shared_prompt_output(model, input_ids, attention_mask, prompt_len, temperature,
+                                        with_entropy, whole or vision is not None)) is not None:
+        return shared
     inputs = _vision_inputs(model, _forward_inputs(input_ids, attention_mask, whole=whole), vision)
     keep = inputs["input_ids"].shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
@@ -205,6 +197,20 @@ def completion_logprobs(
         model, out.router_logits, attention_mask)
     return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss, expert_load=load,
                          route_agreement=routed.agreement)
+
+
+def _shared_prompt_output(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          prompt_len: int, temperature: float, with_entropy: bool, whole: bool
+                          ) -> LogProbOutput | None:
+    """The log-probs with each distinct prompt run once, when rows share prompts, the
+    forward need not cover whole rows, and the model allows it
+    (:mod:`rltune.models.shared_prompt`); None otherwise."""
+    groups = None if whole or not shares_prompts(model) else prompt_groups(input_ids, attention_mask, prompt_len)
+    if groups is None:
+        return None
+    logprobs, entropy = shared_prompt_stats(model, input_ids, attention_mask, prompt_len, groups,
+                                            temperature=temperature, with_entropy=with_entropy)
+    return LogProbOutput(logprobs=logprobs, entropy=entropy)
 
 
 def _token_stats(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
