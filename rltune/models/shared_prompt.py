@@ -15,8 +15,11 @@ It runs where the model is a plain transformers causal LM (or a LoRA wrapper of 
 this process: not a DDP, FSDP or tensor-parallel wrap (their hooks sit on the whole
 model's forward, which this calls in two parts), not an MoE or vision-language model,
 and not with checkpointed or compiled blocks (their forward is recomputed or traced
-without the cache). :func:`shares_prompts` says whether it applies; otherwise the whole
-sequence runs as before.
+without the cache). :func:`shares_prompts` says whether it applies.
+
+:func:`~rltune.models.logprobs.completion_logprobs` does not call it yet: a learner group
+wrapped in DDP runs the whole sequence, and its log-probs must stay bitwise those of the
+same run in one process, which this path's other summation order would break.
 """
 
 from __future__ import annotations
