@@ -19,6 +19,7 @@ from rltune.data.records import VisionInputs
 from rltune.models.chunked import chunked_head, head_owner, logprob_chunk_tokens
 from rltune.models.load import is_moe
 from rltune.models.routing import installed_routers, routing_pass
+from rltune.models.shared_prompt import prompt_groups, shared_prompt_stats, shares_prompts
 from rltune.models.vl_inputs import (
     model_vision_inputs,
     mrope_owner,
@@ -157,7 +158,9 @@ def completion_logprobs(
 
     ``position_ids`` come from ``attention_mask`` (:func:`position_ids_from_mask`), so left
     padding does not shift positions. The forward leaves out the last column, and without
-    left padding the mask (:func:`_forward_inputs`): the same log-probs, less work. With ``output_router_logits`` an MoE model also returns its router
+    left padding the mask (:func:`_forward_inputs`); rows that share their prompt run it
+    once where the model allows (:mod:`rltune.models.shared_prompt`): the same log-probs,
+    less work. With ``output_router_logits`` an MoE model also returns its router
     load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4–6, over the attended
     tokens of the whole sequence) as ``aux_loss``; a dense model None.
 
@@ -175,6 +178,9 @@ def completion_logprobs(
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
     whole = bool(extra) or routes is not None or bool(installed_routers(model))
+    if (shared := _shared_prompt_output(model, input_ids, attention_mask, prompt_len, temperature,
+                                        with_entropy, whole or vision is not None)) is not None:
+        return shared
     inputs = _vision_inputs(model, _forward_inputs(input_ids, attention_mask, whole=whole), vision)
     keep = inputs["input_ids"].shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
     head = _head(model, targets, valid, temperature, with_entropy, chunk_tokens)
@@ -191,6 +197,20 @@ def completion_logprobs(
         model, out.router_logits, attention_mask)
     return LogProbOutput(logprobs=logprobs, entropy=entropy, aux_loss=aux_loss, expert_load=load,
                          route_agreement=routed.agreement)
+
+
+def _shared_prompt_output(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          prompt_len: int, temperature: float, with_entropy: bool, whole: bool
+                          ) -> LogProbOutput | None:
+    """The log-probs with each distinct prompt run once, when rows share prompts, the
+    forward need not cover whole rows, and the model allows it
+    (:mod:`rltune.models.shared_prompt`); None otherwise."""
+    groups = None if whole or not shares_prompts(model) else prompt_groups(input_ids, attention_mask, prompt_len)
+    if groups is None:
+        return None
+    logprobs, entropy = shared_prompt_stats(model, input_ids, attention_mask, prompt_len, groups,
+                                            temperature=temperature, with_entropy=with_entropy)
+    return LogProbOutput(logprobs=logprobs, entropy=entropy)
 
 
 def _token_stats(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,

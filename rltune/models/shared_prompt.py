@@ -12,14 +12,14 @@ row. On a 3 M Qwen2 (one CPU thread) the forward and backward of 16 preference p
 samples of 24 tokens 21–28 % less.
 
 It runs where the model is a plain transformers causal LM (or a LoRA wrapper of one) in
-this process: not a DDP, FSDP or tensor-parallel wrap (their hooks sit on the whole
-model's forward, which this calls in two parts), not an MoE or vision-language model,
-and not with checkpointed or compiled blocks (their forward is recomputed or traced
-without the cache). :func:`shares_prompts` says whether it applies.
-
-:func:`~rltune.models.logprobs.completion_logprobs` does not call it yet: a learner group
-wrapped in DDP runs the whole sequence, and its log-probs must stay bitwise those of the
-same run in one process, which this path's other summation order would break.
+this process, bare or wrapped in DDP (whose bookkeeping before and after a forward,
+:func:`_as_ddp_forward`, then surrounds the two parts, so its gradient hooks and
+``no_sync`` work as for a whole forward); not an FSDP or tensor-parallel wrap (their
+hooks gather parameters around the whole model's forward), not an MoE or
+vision-language model, and not with checkpointed or compiled blocks (their forward is
+recomputed or traced without the cache). :func:`shares_prompts` says whether it applies.
+A learner group in DDP and the same run in one process take the same path, so their
+log-probs stay equal to the bit.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
 def shares_prompts(model: torch.nn.Module) -> bool:
     """Whether :func:`shared_prompt_stats` computes what ``model``'s whole forward does
     (see the module docstring)."""
-    if isinstance(model, (DistributedDataParallel, FSDPModule)):
+    if isinstance(model, DistributedDataParallel):
+        return hasattr(model, "_pre_forward") and hasattr(model, "_post_forward") and shares_prompts(model.module)
+    if isinstance(model, FSDPModule):
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, PreTrainedModel) or isinstance(base, FSDPModule):
@@ -80,6 +82,9 @@ def shared_prompt_stats(
     """``(logprobs, entropy)`` ``[B, C]`` of ``input_ids[:, prompt_len:]`` as
     :func:`~rltune.models.logprobs.completion_logprobs` gives them, the prompts run once
     per group of ``groups`` (:func:`prompt_groups`)."""
+    if isinstance(model, DistributedDataParallel):
+        return _as_ddp_forward(model, shared_prompt_stats, input_ids, attention_mask, prompt_len, groups,
+                               temperature=temperature, with_entropy=with_entropy)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     starts = torch.cat([groups.new_ones(1), groups[1:] != groups[:-1]]).nonzero().squeeze(1)
     p_ids, p_mask = input_ids[starts, :prompt_len], attention_mask[starts, :prompt_len]
@@ -102,6 +107,14 @@ def shared_prompt_stats(
     valid = attention_mask[:, prompt_len:].bool()
     return chunked_stats(base, hidden, input_ids[:, prompt_len:], valid,
                          temperature=temperature, with_entropy=with_entropy)
+
+
+def _as_ddp_forward(ddp: DistributedDataParallel, fn, *args, **kwargs):
+    """``fn(ddp.module, *args, **kwargs)`` run as ``ddp``'s forward: DDP's steps before a
+    forward (the reducer readied for this backward, unless under ``no_sync``) and after it
+    (the reducer told a backward follows) surround it, as in ``DistributedDataParallel.forward``."""
+    args, kwargs = ddp._pre_forward(*args, **kwargs)
+    return ddp._post_forward(fn(ddp.module, *args, **kwargs))
 
 
 def cache_kwarg(module: torch.nn.Module) -> str:

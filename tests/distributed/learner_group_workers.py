@@ -64,10 +64,11 @@ def make_batch(model: torch.nn.Module, *, seed: int = 0) -> TrainBatch:
 
 
 def make_learner(model: torch.nn.Module, parallelism: Parallelism | None = None, *,
-                 eps: float = ADAM_EPS) -> LocalLearner:
-    """A learner with the tests' objective, budget, clip and Adam ``eps``."""
+                 eps: float = ADAM_EPS, budget: int = BUDGET) -> LocalLearner:
+    """A learner with the tests' objective, clip and Adam ``eps``, and a micro-batch token
+    ``budget``."""
     objective = build_objective(ALGORITHMS["grpo"], algo_config())
-    cfg = TrainConfig(lr=LR, grad_clip=GRAD_CLIP, micro_batch_tokens=BUDGET)
+    cfg = TrainConfig(lr=LR, grad_clip=GRAD_CLIP, micro_batch_tokens=budget)
     learner = LocalLearner(model, objective, cfg, parallelism=parallelism)
     assert learner.optimizer.defaults["eps"] == DEFAULT_EPS  # what "default" means below
     for group in learner.optimizer.param_groups:

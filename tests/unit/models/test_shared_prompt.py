@@ -1,5 +1,8 @@
 """The prompt run once per group gives the whole-sequence forward's log-probs, entropy
-and gradients."""
+and gradients, and completion_logprobs takes that path where rows share a prompt.
+
+The expected values come from transformers' own forward over every row's whole sequence
+(the logits, log-softmax and entropy written out here), not from rltune's code."""
 
 from __future__ import annotations
 
@@ -30,6 +33,19 @@ def _batch(prompt_lens: list[int], sizes: list[int], completion_lens: list[int])
     return join(rows, completions, 0)
 
 
+def _whole(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, p: int, temperature: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy ``[B, C]`` of the completions from one forward over the whole
+    rows, 0 on padding."""
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, p - 1:-1] / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    valid = mask[:, p:].bool()
+    token = logp.gather(-1, ids[:, p:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.where(valid, token, 0.0), torch.where(valid, entropy.detach(), 0.0)
+
+
 def test_groups_are_the_runs_of_equal_prompts() -> None:
     ids, mask, p = _batch([3, 5, 3], [2, 1, 3], [2, 2, 2, 2, 2, 2])
     assert prompt_groups(ids, mask, p).tolist() == [0, 0, 1, 2, 2, 2]
@@ -42,16 +58,16 @@ def test_same_logprobs_entropy_and_gradients(model: torch.nn.Module, completion_
     # left padding (prompts of 3, 6 and 4 tokens), groups of 2, 1 and 3, right padding
     ids, mask, p = _batch([3, 6, 4], [2, 1, 3], completion_lens)
     groups = prompt_groups(ids, mask, p)
-    whole = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    whole_logprobs, whole_entropy = _whole(model, ids, mask, p, 0.7)
     model.zero_grad()
-    whole.logprobs.sum().backward()
+    whole_logprobs.sum().backward()
     expected = {n: q.grad.clone() for n, q in model.named_parameters()}
     model.zero_grad()
     logprobs, entropy = shared_prompt_stats(model, ids, mask, p, groups, temperature=0.7, with_entropy=True)
     logprobs.sum().backward()
     # float32 sums over a few hundred terms in another order: agreement to ~1e-6, not bitwise
-    torch.testing.assert_close(logprobs, whole.logprobs, rtol=0, atol=1e-5)
-    torch.testing.assert_close(entropy, whole.entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logprobs, whole_logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, whole_entropy, rtol=0, atol=1e-5)
     for name, q in model.named_parameters():
         scale = expected[name].abs().max().item()
         assert (q.grad - expected[name]).abs().max().item() <= 1e-5 * max(scale, 1.0), name
@@ -66,3 +82,28 @@ def test_only_plain_models_share(model: torch.nn.Module) -> None:
         assert not shares_prompts(model)
     finally:
         del block.__dict__["_rltune_checkpointed"]
+
+
+def test_completion_logprobs_runs_each_prompt_once(model: torch.nn.Module) -> None:
+    ids, mask, p = _batch([3, 6, 4], [2, 1, 3], [4, 1, 3, 2, 5, 4])
+    rows: list[int] = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    try:
+        out = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    finally:
+        hook.remove()
+    assert rows == [3, 6]  # the three distinct prompts, then the six rows' completions
+    expected, entropy = _whole(model, ids, mask, p, 0.7)
+    # the fp32 sums of another order, as above
+    torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.entropy, entropy, rtol=0, atol=1e-5)
+    rows.clear()
+    distinct, dmask, dp = _batch([3, 6], [1, 1], [2, 3])
+    hook = model.model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    try:
+        completion_logprobs(model, distinct, dmask, dp)
+    finally:
+        hook.remove()
+    assert rows == [2]  # no prompt shared: one forward over the whole rows
