@@ -121,17 +121,41 @@ def param_bytes(work: Workload) -> int:
 # ---- learner compute --------------------------------------------------------------------
 
 
+def shares_prompts(spec: ModelSpec, work: Workload, cand: Candidate) -> bool:
+    """Whether the learner runs each prompt once for the rows that share it
+    (``rltune/models/shared_prompt.py``): a group of more than one row (GRPO's samples,
+    DPO's chosen and rejected), a dense model, a learner in one process or DDP (no FSDP
+    shard, TP, PP or EP) and no activation checkpointing."""
+    lay = cand.learner
+    return (work.group_size > 1 and not spec.experts and cand.activation_checkpointing == "none"
+            and lay.dp_shard == lay.tp == lay.pp == lay.ep == 1)
+
+
+def learner_sample_work(spec: ModelSpec, work: Workload, cand: Candidate) -> tuple[float, float, float]:
+    """``(matmul, attention, tokens)`` of one sample in a learner forward:
+    ``sequence_flops(P + C)``, or, where the prompt runs once per group
+    (:func:`shares_prompts`), the completion's share ``sequence_flops(P + C) -
+    sequence_flops(P)`` plus ``sequence_flops(P) / group_size`` (tokens ``C + P / group_size``)."""
+    linear, attention = sequence_flops(spec, work.tokens_per_sample)
+    if not shares_prompts(spec, work, cand):
+        return linear, attention, float(work.tokens_per_sample)
+    p_linear, p_attention = sequence_flops(spec, work.prompt_tokens)
+    saved = 1.0 - 1.0 / work.group_size
+    return (linear - saved * p_linear, attention - saved * p_attention,
+            work.tokens_per_sample - saved * work.prompt_tokens)
+
+
 def learner_forwards(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, eff: Efficiency,
                      passes: float) -> float:
     """Seconds of ``passes`` forward-equivalents over the step's batch on one learner rank:
     ``samples x sequence_flops / world`` at ``eff.train_mfu``, plus ``eff.layer_overhead_s``
     per local layer per micro-batch per pass, plus ``eff.token_overhead_s`` per token per
     local layer per pass (the element-wise work that grows with the tokens)."""
-    linear, attention = sequence_flops(spec, work.tokens_per_sample)
+    linear, attention, sample_tokens = learner_sample_work(spec, work, cand)
     scale = passes * work.samples_per_step / cand.learner.world
     flops = compute_seconds(scale * linear, scale * attention, cluster, work.precision, eff.train_mfu)
     calls = passes * micro_batches(work, cand) * work.minibatches * _layers_local(spec, cand)
-    tokens = scale * work.tokens_per_sample * _layers_local(spec, cand)
+    tokens = scale * sample_tokens * _layers_local(spec, cand)
     return flops + eff.layer_overhead_s * calls + eff.token_overhead_s * tokens
 
 

@@ -97,6 +97,26 @@ def test_forward_backward() -> None:
     assert timing.forward_backward(SPEC, ppo, cand(dp_shard=2), CLUSTER, EFF) == pytest.approx(0.62477184, rel=1e-9)
 
 
+def test_a_prompt_shared_by_its_group_runs_once_where_the_learner_can() -> None:
+    # one process or DDP, a dense model, no checkpointing: each prompt of 100 tokens runs
+    # once for its 2 rows. Per sample: the completion's 100 tokens after 100 cached keys
+    # (keys 100 x 100 + 100 x 101 / 2 = 15050): matmul 2e11, attention 4e4 x 15050 = 6.02e8;
+    # half the prompt: matmul 2e11 / 2 = 1e11, attention 4e4 x 5050 / 2 = 1.01e8;
+    # 3e11 + 7.03e8 a sample, 150 tokens
+    ddp = cand(dp_replicate=2)
+    assert timing.learner_sample_work(SPEC, WORK, ddp) == pytest.approx((3e11, 7.03e8, 150.0), rel=1e-12)
+    # 12 sample-passes x 3.00703e11 / 5e13 = 0.07216872 s + the same 60 layer calls
+    assert timing.forward_backward(SPEC, WORK, ddp, CLUSTER, EFF) == pytest.approx(0.13216872, rel=1e-9)
+    # the whole rows where the path does not apply: FSDP, checkpointing, an MoE, groups of one
+    for spec, work, layout in [
+        (SPEC, WORK, cand(dp_shard=2)), (SPEC, WORK, cand(dp_replicate=2, activation_checkpointing="full")),
+        (MOE, WORK, ddp), (SPEC, Workload(**(WORK.__dict__ | dict(group_size=1, prompts_per_step=8))), ddp),
+        (SPEC, WORK, cand(dp_replicate=2, tp=2)),
+    ]:
+        assert not timing.shares_prompts(spec, work, layout)
+        assert timing.learner_sample_work(spec, work, layout) == pytest.approx((4e11, 8.04e8, 200.0), rel=1e-12)
+
+
 def test_no_grad_forwards_follow_the_runtime() -> None:
     assert timing.no_grad_forwards(WORK) == 0  # learned once: the loss detaches its own log-probs
     assert timing.no_grad_forwards(Workload(**(WORK.__dict__ | dict(reference=True)))) == 1  # KL reference
