@@ -23,6 +23,7 @@ from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
 from rltune.models.routing import agreement_metrics, expert_load_metrics, update_routing_bias
+from rltune.models.shared_prompt import shares_prompts
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -126,7 +127,8 @@ class LocalLearner:
         # selective backprop: only rows with an advantage run; the denominator stays the whole batch's
         selection = select_rows(batch, self.objective.unit) if self.skip_zero_advantage else None
         run = selection.rows if selection is not None else batch
-        micro = split_by_tokens(run, self.cfg.micro_batch_tokens, unit=self.objective.unit)
+        micro = split_by_tokens(run, self.cfg.micro_batch_tokens, unit=self.objective.unit,
+                                shared=shares_prompts(self.train_module))
         plan = self.parallelism.agree(len(batch), len(micro), self.objective.denominator(batch))
         self.train_module.train()
         pipe = getattr(self.parallelism, "pipeline", None)

@@ -7,7 +7,7 @@ import torch
 from rltune.data.records import TrainBatch
 
 
-def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[TrainBatch]:
+def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1, shared: bool = True) -> list[TrainBatch]:
     """Micro-batches whose padded size (rows x (longest prompt + longest completion))
     stays within ``budget`` tokens; a single unit longer than the budget is its own
     micro-batch. Each micro-batch is trimmed of all-padding columns.
@@ -30,8 +30,10 @@ def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[Tr
     of each run of adjacent rows of one prompt in m (the shared-prompt forward runs that
     prompt once). The group split is taken only when it costs strictly less, so a batch
     without shared prompts, or one whose prompts are too short to pay for the padding,
-    splits as the length split. The lengths and the prompt equalities come to the host in
-    one transfer, and the split is decided there."""
+    splits as the length split; so does every batch with ``shared=False``, for a model
+    that runs every row's prompt (:func:`rltune.models.shared_prompt.shares_prompts`). The
+    lengths and the prompt equalities come to the host in one transfer, and the split is
+    decided there."""
     if len(batch) % unit:
         raise ValueError(f"split_by_tokens: {len(batch)} rows do not split into units of {unit}")
     if not len(batch):
@@ -48,7 +50,7 @@ def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1) -> list[Tr
     # longest first; equal lengths keep their order
     order = sorted(range(len(prompt_lens)), key=lambda k: -(prompt_lens[k] + comp_lens[k]))
     chunks = _pack([[k] for k in order], prompt_lens, comp_lens, budget, unit)
-    if any(same_row):
+    if shared and any(same_row):
         group = [0]
         for flag in same_row[1:]:
             group.append(group[-1] + 1 - flag)

@@ -195,3 +195,12 @@ def test_group_split_gives_the_whole_batch_gradients(tiny_model: torch.nn.Module
     tol = fp32.gradient_tolerance(fp32.gradient_scales(copy.deepcopy(tiny_model), objective, batch), batch)
     fp32.assert_within(split, whole, tol, "gradients")
     assert fp32.worst_excess(split, {n: torch.zeros_like(g) for n, g in whole.items()}, tol)[0] > 100
+
+
+
+def test_a_model_that_runs_every_prompt_keeps_the_length_split() -> None:
+    """``shared=False`` (FSDP, checkpointed blocks, ...): the saving the group split counts
+    does not happen, so LONG keeps the length split (cost 36 with every prompt run)."""
+    batch = make_batch(**LONG)
+    assert rows_of(split_by_tokens(batch, 20)) == [[0, 1], [2, 3]]
+    assert rows_of(split_by_tokens(batch, 20, shared=False)) == old_split(batch, 20, 1) == [[0, 2], [3, 1]]
