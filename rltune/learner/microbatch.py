@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rltune.data.records import TrainBatch
+from rltune.models.shared_prompt import same_prompt_as_previous
 
 
 def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1, shared: bool = True) -> list[TrainBatch]:
@@ -38,10 +39,9 @@ def split_by_tokens(batch: TrainBatch, budget: int, *, unit: int = 1, shared: bo
         raise ValueError(f"split_by_tokens: {len(batch)} rows do not split into units of {unit}")
     if not len(batch):
         return []
-    mask, ids, width = batch.attention_mask, batch.input_ids, batch.prompt_len
-    # same[i]: row i has row i - 1's prompt (ids and mask); row 0 never
-    same = (ids[1:, :width] == ids[:-1, :width]).all(1) & (mask[1:, :width] == mask[:-1, :width]).all(1)
-    rows = torch.stack([mask[:, :width].sum(1), mask[:, width:].sum(1), torch.cat([same.new_zeros(1), same]).long()])
+    mask, width = batch.attention_mask, batch.prompt_len
+    same = same_prompt_as_previous(batch.input_ids, mask, width)
+    rows = torch.stack([mask[:, :width].sum(1), mask[:, width:].sum(1), same.long()])
     p_row, c_row, same_row = rows.tolist()
     prompt_lens = [max(p_row[k * unit: k * unit + unit]) for k in range(len(batch) // unit)]
     comp_lens = [max(c_row[k * unit: k * unit + unit]) for k in range(len(batch) // unit)]

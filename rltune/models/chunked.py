@@ -176,12 +176,14 @@ class ChunkedHead(nn.Module):
 
 
 def chunked_stats(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
-                  temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  temperature: float, with_entropy: bool, chunk_tokens: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs, entropy)`` ``[B, C]`` from final hidden states ``[B, C, H]`` at the
-    completion positions, with ``model``'s own ``lm_head`` in chunks of its
-    :func:`logprob_chunk_tokens` (0: one chunk). For callers that run the body themselves
-    (the last pipeline stage)."""
-    tokens = logprob_chunk_tokens(model) or max(1, hidden.shape[0] * hidden.shape[1])
+    completion positions, with ``model``'s own ``lm_head`` in chunks of ``chunk_tokens``
+    (None: its :func:`logprob_chunk_tokens`; 0: one chunk). For callers that run the body
+    themselves (the last pipeline stage, the shared-prompt forward)."""
+    chunk = logprob_chunk_tokens(model) if chunk_tokens is None else chunk_tokens
+    tokens = chunk or max(1, hidden.shape[0] * hidden.shape[1])
     head = ChunkedHead(model.lm_head, targets, valid, temperature=temperature, with_entropy=with_entropy,
                        chunk_tokens=tokens, transform=policy_logits(model))
     return head.stats(hidden)

@@ -178,8 +178,8 @@ def completion_logprobs(
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
     whole = bool(extra) or routes is not None or bool(installed_routers(model))
-    if (shared := _shared_prompt_output(model, input_ids, attention_mask, prompt_len, temperature,
-                                        with_entropy, whole or vision is not None)) is not None:
+    if (shared := _shared_prompt_output(model, input_ids, attention_mask, prompt_len, temperature, with_entropy,
+                                        whole or vision is not None, chunk_tokens)) is not None:
         return shared
     inputs = _vision_inputs(model, _forward_inputs(input_ids, attention_mask, whole=whole), vision)
     keep = inputs["input_ids"].shape[1] - prompt_len + 1  # positions P - 1 .. end: C + 1 (whole) or C
@@ -200,8 +200,8 @@ def completion_logprobs(
 
 
 def _shared_prompt_output(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          prompt_len: int, temperature: float, with_entropy: bool, whole: bool
-                          ) -> LogProbOutput | None:
+                          prompt_len: int, temperature: float, with_entropy: bool, whole: bool,
+                          chunk_tokens: int | None) -> LogProbOutput | None:
     """The log-probs with each distinct prompt run once, when rows share prompts, the
     forward need not cover whole rows, and the model allows it
     (:mod:`rltune.models.shared_prompt`); None otherwise."""
@@ -209,7 +209,8 @@ def _shared_prompt_output(model: torch.nn.Module, input_ids: torch.Tensor, atten
     if groups is None:
         return None
     logprobs, entropy = shared_prompt_stats(model, input_ids, attention_mask, prompt_len, groups,
-                                            temperature=temperature, with_entropy=with_entropy)
+                                            temperature=temperature, with_entropy=with_entropy,
+                                            chunk_tokens=chunk_tokens)
     return LogProbOutput(logprobs=logprobs, entropy=entropy)
 
 

@@ -43,12 +43,19 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
     """``[B]`` long: for each row, the index of its prompt among the distinct prompts,
     where a prompt's rows are adjacent and equal in ``input_ids[:, :prompt_len]`` and the
     mask; None when no two adjacent rows share a prompt (nothing to save)."""
-    ids, mask = input_ids[:, :prompt_len], attention_mask[:, :prompt_len]
-    same = (ids[1:] == ids[:-1]).all(dim=1) & (mask[1:] == mask[:-1]).all(dim=1)  # [B - 1]
+    same = same_prompt_as_previous(input_ids, attention_mask, prompt_len)
     if not bool(same.any()):
         return None
-    starts = torch.cat([same.new_ones(1), ~same])
-    return starts.long().cumsum(0) - 1
+    return (~same).long().cumsum(0) - 1
+
+
+def same_prompt_as_previous(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
+                            ) -> torch.Tensor:
+    """``[B]`` bool: row ``i`` has row ``i - 1``'s prompt (``input_ids[:, :prompt_len]``
+    and the mask alike); row 0 never."""
+    ids, mask = input_ids[:, :prompt_len], attention_mask[:, :prompt_len]
+    same = (ids[1:] == ids[:-1]).all(dim=1) & (mask[1:] == mask[:-1]).all(dim=1)  # [B - 1]
+    return torch.cat([same.new_zeros(1), same])
 
 
 def shares_prompts(model: torch.nn.Module) -> bool:
@@ -78,13 +85,14 @@ def shared_prompt_stats(
     *,
     temperature: float,
     with_entropy: bool,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs, entropy)`` ``[B, C]`` of ``input_ids[:, prompt_len:]`` as
     :func:`~rltune.models.logprobs.completion_logprobs` gives them, the prompts run once
-    per group of ``groups`` (:func:`prompt_groups`)."""
+    per group of ``groups`` (:func:`prompt_groups`); ``chunk_tokens`` as there."""
     if isinstance(model, DistributedDataParallel):
         return _as_ddp_forward(model, shared_prompt_stats, input_ids, attention_mask, prompt_len, groups,
-                               temperature=temperature, with_entropy=with_entropy)
+                               temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     starts = torch.cat([groups.new_ones(1), groups[1:] != groups[:-1]]).nonzero().squeeze(1)
     p_ids, p_mask = input_ids[starts, :prompt_len], attention_mask[starts, :prompt_len]
@@ -106,7 +114,7 @@ def shared_prompt_stats(
         hidden = torch.cat([hidden, completion_out.last_hidden_state], dim=1)
     valid = attention_mask[:, prompt_len:].bool()
     return chunked_stats(base, hidden, input_ids[:, prompt_len:], valid,
-                         temperature=temperature, with_entropy=with_entropy)
+                         temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
 
 
 def _as_ddp_forward(ddp: DistributedDataParallel, fn, *args, **kwargs):
