@@ -197,7 +197,6 @@ def test_group_split_gives_the_whole_batch_gradients(tiny_model: torch.nn.Module
     assert fp32.worst_excess(split, {n: torch.zeros_like(g) for n, g in whole.items()}, tol)[0] > 100
 
 
-
 def test_a_model_that_runs_every_prompt_keeps_the_length_split() -> None:
     """``shared=False`` (FSDP, checkpointed blocks, ...): the saving the group split counts
     does not happen, so LONG keeps the length split (cost 36 with every prompt run)."""
