@@ -13,9 +13,11 @@ on the benchmark models of ``trl_common`` (``3m``, ``25m``, fp32) and two batch 
 ``profile`` splits the self CPU time (``torch.profiler``, one thread) of forward+backward
 into the matrix products (mm/addmm/bmm/linear kernels and SDPA's) and everything else,
 and counts the ATen ops one forward dispatches (top-level ones: those not called by
-another ATen op). ``time`` compares implementations of the forward (``hf``: the one
-above; ``lean``: :mod:`rltune.models.lean_forward`, where it exists) by process CPU time
-of forward+backward per step, interleaved round by round, medians over ``--repeats``.
+another ATen op); the profiler's self time is wall time inside each op, so on a busy
+machine its split is a guide, not a measurement. ``time`` compares implementations of
+the forward (``hf``: the one above; ``lean``: :mod:`rltune.models.lean_forward`) by process CPU time
+of forward+backward per step (``hf-nograd``, ``lean-nograd``: the forward alone without
+grad, as the reference pass runs it), interleaved round by round, medians over ``--repeats``.
 
     python benchmarks/train_forward_overhead.py profile --model 3m
     python benchmarks/train_forward_overhead.py time --model 25m --repeats 7
@@ -95,7 +97,16 @@ def lean_step(model: torch.nn.Module, batch: Batch) -> None:
     logprobs.sum().backward()
 
 
-IMPLS: dict[str, Callable[[torch.nn.Module, Batch], None]] = {"hf": hf_step, "lean": lean_step}
+def _no_grad(impl: str) -> Callable[[torch.nn.Module, Batch], None]:
+    """The forward alone, without grad, as a reference or old-log-prob pass runs it."""
+    def run(model: torch.nn.Module, batch: Batch) -> None:
+        with torch.no_grad():
+            FORWARDS[impl](model, batch)
+    return run
+
+
+IMPLS: dict[str, Callable[[torch.nn.Module, Batch], None]] = {
+    "hf": hf_step, "lean": lean_step, "hf-nograd": _no_grad("hf"), "lean-nograd": _no_grad("lean")}
 
 
 def _hf_forward(model: torch.nn.Module, batch: Batch) -> None:
@@ -164,7 +175,7 @@ def main() -> None:
     parser.add_argument("mode", choices=("profile", "time"))
     parser.add_argument("--model", choices=sorted(common.SIZES), default="3m")
     parser.add_argument("--shapes", nargs="+", default=["dpo", "grpo"])
-    parser.add_argument("--impls", nargs="+", default=["hf", "lean"])
+    parser.add_argument("--impls", nargs="+", choices=sorted(IMPLS), default=["hf", "lean"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -187,9 +198,9 @@ def main() -> None:
         medians = {impl: statistics.median(v) for impl, v in times.items()}
         print(f"{head}: " + ", ".join(f"{impl} {m:.2f} ms (runs {', '.join(f'{t:.1f}' for t in times[impl])})"
                                       for impl, m in medians.items()), flush=True)
-        if "hf" in medians:
-            print("  " + ", ".join(f"hf/{impl} {medians['hf'] / m:.2f}x" for impl, m in medians.items()
-                                   if impl != "hf"), flush=True)
+        ratios = [f"{a}/{b} {medians[a] / medians[b]:.2f}x" for a, b in (("hf", "lean"), ("hf-nograd", "lean-nograd"))
+                  if a in medians and b in medians]
+        print("  " + ", ".join(ratios), flush=True)
 
 
 if __name__ == "__main__":

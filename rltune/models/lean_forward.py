@@ -22,6 +22,14 @@ without the last column (it predicts past the end).
 Only the hidden states at the completion positions go through the final norm; the head,
 temperature and log-softmax are :func:`~rltune.models.chunked.chunked_stats`'s.
 :func:`supports_lean_forward` admits a model only where this is exactly its forward.
+
+Measured (``benchmarks/train_forward_overhead.py time``, process CPU time, one thread,
+medians of 7 interleaved rounds): forward+backward with entropy 1.23x faster than the
+HF path on the DPO benchmark's batch (16 pairs, ``(32, 10)``) and 1.25x on the GRPO
+learner's (8 x 38 tokens) with the 3 M Qwen2; 1.20x and 1.19x with the 25 M one; the
+forward alone without grad 1.14-1.33x. The rest is the matrix products (about 70 % of
+the step at 3 M). The projections stay separate: q/k/v or gate/up concatenated into one
+product (the cat and its backward included) measured 3-10 % slower on the CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rltune.models.chunked import chunked_stats
-from rltune.models.logprobs import causal_suffices, position_ids_from_mask
 from rltune.models.shared_prompt import prompt_groups
 from rltune.rollout.fastpath import _layer, has_hooks, rms_norm, supports_fastpath
 
@@ -128,6 +135,9 @@ def _whole_rows(ids: torch.Tensor, mask: torch.Tensor) -> _Part:
     """Whole rows attending to themselves; without left padding the positions are
     ``0 .. L - 1`` and no mask is built (as :func:`~rltune.models.logprobs.completion_logprobs`
     runs the model then: right padding only follows the attended tokens)."""
+    # imported here: completion_logprobs may take this path, so its module imports this one
+    from rltune.models.logprobs import causal_suffices, position_ids_from_mask
+
     if causal_suffices(mask):
         positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
         return _Part(ids, positions, None)
