@@ -34,16 +34,21 @@ product (the cat and its backward included) measured 3-10 % slower on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from rltune.models.chunked import chunked_stats
-from rltune.models.shared_prompt import prompt_groups
-from rltune.rollout.fastpath import _layer, has_hooks, rms_norm, supports_fastpath
+from rltune.models.shared_prompt import _as_ddp_forward, prompt_groups
+from rltune.rollout.fastpath import _Layer, _layer, has_hooks, rms_norm, supports_fastpath
 
-_BLOCK_MARKS = ("_rltune_checkpointed", "_rltune_compiled")
+_CHECKPOINTED = "_rltune_checkpointed"
+"""The mark of a block whose training forward ``rltune.learner.memory`` checkpoints."""
 
 
 def supports_lean_forward(model: nn.Module) -> bool:
@@ -52,13 +57,22 @@ def supports_lean_forward(model: nn.Module) -> bool:
     The generation fast path's conditions (:func:`~rltune.rollout.fastpath.supports_fastpath`:
     an unwrapped Qwen2 / Llama / Mistral causal LM, default rope, no sliding window, plain
     ``nn.Linear`` projections, so no LoRA), no forward hooks, no attention dropout while
-    training, no checkpointed or compiled blocks and no sharded (DTensor) parameters.
+    training, no module whose ``forward`` was replaced on the instance (a compiled block,
+    a patch: the lean path would not run it) but for activation checkpointing's, which it
+    does itself (:func:`_body`), and no sharded (DTensor) parameters. Such a model may be
+    wrapped in DDP, whose steps before and after a forward then surround this one (as for
+    the shared-prompt forward, :mod:`rltune.models.shared_prompt`).
     """
+    if isinstance(model, DistributedDataParallel):
+        ddp_steps = hasattr(model, "_pre_forward") and hasattr(model, "_post_forward")
+        return ddp_steps and supports_lean_forward(model.module)
     if not supports_fastpath(model) or has_hooks(model):
         return False
     if model.training and float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0:
         return False
-    if any(mark in m.__dict__ for m in model.modules() for mark in _BLOCK_MARKS):
+    if any("forward" in m.__dict__ and _CHECKPOINTED not in m.__dict__ for m in model.modules()):
+        return False
+    if any("_rltune_compiled" in m.__dict__ for m in model.modules()):
         return False
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -73,6 +87,17 @@ def lean_completion_logprobs(
     arguments are its. Raises for a model :func:`supports_lean_forward` refuses."""
     if not supports_lean_forward(model):
         raise ValueError(f"{type(model).__name__} with this config is not supported by the lean forward")
+    if isinstance(model, DistributedDataParallel):
+        return _as_ddp_forward(model, _stats, input_ids, attention_mask, prompt_len, temperature=temperature,
+                               with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    return _stats(model, input_ids, attention_mask, prompt_len, temperature=temperature,
+                  with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+
+
+def _stats(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
+           temperature: float, with_entropy: bool, chunk_tokens: int | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`lean_completion_logprobs` on the (unwrapped) model."""
     hidden = completion_hidden(model, input_ids, attention_mask, prompt_len)
     valid = attention_mask[:, prompt_len:].bool()
     return chunked_stats(model, hidden, input_ids[:, prompt_len:], valid, temperature=temperature,
@@ -189,16 +214,25 @@ def _body(model: nn.Module, parts: list[_Part]) -> torch.Tensor:
     attn = inner.layers[0].self_attn
     head_dim, scale = attn.head_dim, attn.scaling
     for module in inner.layers:
-        layer = _layer(module)
-        a = _norm(h, layer.norm1, layer.eps1)
-        q, k, v = (F.linear(a, *wb).view(a.shape[0], -1, head_dim) for wb in (layer.q, layer.k, layer.v))
-        q = q * cos + q.roll(head_dim // 2, -1) * sin
-        k = k * cos + k.roll(head_dim // 2, -1) * sin
-        out = _attention(parts, q, k, v, scale)
-        h = h + F.linear(out, *layer.o)
-        m = _norm(h, layer.norm2, layer.eps2)
-        h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
+        run = functools.partial(_block, _layer(module), parts=parts, cos=cos, sin=sin,
+                                head_dim=head_dim, scale=scale)
+        # a checkpointed block keeps only its input; the backward recomputes it (the same
+        # arithmetic, so the same gradients), as rltune.learner.memory does for HF's forward
+        checkpointed = _CHECKPOINTED in module.__dict__ and module.training and torch.is_grad_enabled()
+        h = checkpoint(run, h, use_reentrant=False) if checkpointed else run(h)
     return h
+
+
+def _block(layer: _Layer, h: torch.Tensor, *, parts: list[_Part], cos: torch.Tensor, sin: torch.Tensor,
+           head_dim: int, scale: float) -> torch.Tensor:
+    """One decoder layer on the flat hidden state ``h [N, H]``."""
+    a = _norm(h, layer.norm1, layer.eps1)
+    q, k, v = (F.linear(a, *wb).view(a.shape[0], -1, head_dim) for wb in (layer.q, layer.k, layer.v))
+    q = q * cos + q.roll(head_dim // 2, -1) * sin
+    k = k * cos + k.roll(head_dim // 2, -1) * sin
+    h = h + F.linear(_attention(parts, q, k, v, scale), *layer.o)
+    m = _norm(h, layer.norm2, layer.eps2)
+    return h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
 
 
 def _attention(parts: list[_Part], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

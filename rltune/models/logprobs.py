@@ -5,7 +5,9 @@ are ``[B, T]``, the prompt left-padded to ``P = prompt_len`` columns, then the c
 right-padded to ``C = T - P`` columns. The token in column ``P + j`` is predicted by the
 logits at column ``P + j - 1``, so exactly the ``C`` positions ``P - 1 .. T - 2`` need
 logits; the lm_head is applied to those only (``logits_to_keep``), never to the prompt,
-and, by default, to a chunk of them at a time (:mod:`rltune.models.chunked`).
+and, by default, to a chunk of them at a time (:mod:`rltune.models.chunked`). A dense
+Qwen2 / Llama / Mistral model that :mod:`rltune.models.lean_forward` supports runs that
+module's forward instead of the transformers one: the same arithmetic, less overhead.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from rltune.data.records import VisionInputs
 from rltune.models.chunked import chunked_head, head_owner, logprob_chunk_tokens
+from rltune.models.lean_forward import lean_completion_logprobs, supports_lean_forward
 from rltune.models.load import is_moe
 from rltune.models.routing import installed_routers, routing_pass
 from rltune.models.shared_prompt import prompt_groups, shared_prompt_stats, shares_prompts
@@ -202,9 +205,15 @@ def completion_logprobs(
 def _shared_prompt_output(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           prompt_len: int, temperature: float, with_entropy: bool, whole: bool,
                           chunk_tokens: int | None) -> LogProbOutput | None:
-    """The log-probs with each distinct prompt run once, when rows share prompts, the
-    forward need not cover whole rows, and the model allows it
+    """The log-probs from the lean forward where the model allows it and the forward need
+    not cover whole rows (:mod:`rltune.models.lean_forward`), else with each distinct
+    prompt run once where rows share prompts and the model allows it
     (:mod:`rltune.models.shared_prompt`); None otherwise."""
+    if not whole and supports_lean_forward(model):
+        logprobs, entropy = lean_completion_logprobs(model, input_ids, attention_mask, prompt_len,
+                                                     temperature=temperature, with_entropy=with_entropy,
+                                                     chunk_tokens=chunk_tokens)
+        return LogProbOutput(logprobs=logprobs, entropy=entropy)
     groups = None if whole or not shares_prompts(model) else prompt_groups(input_ids, attention_mask, prompt_len)
     if groups is None:
         return None

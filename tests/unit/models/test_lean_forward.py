@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
 from rltune.config.schema import LoraConfig
+from rltune.learner.memory import apply_activation_checkpointing
 from rltune.data.collate import join
 from rltune.models.lean_forward import lean_completion_logprobs, supports_lean_forward
 from rltune.models.lora import apply_lora
@@ -90,7 +91,8 @@ def hf_stats(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, p: i
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy ``[B, C]`` from the HF forward over the whole rows, 0 on padding."""
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, p - 1:-1] / temperature
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                   use_cache=False).logits[:, p - 1:-1] / temperature
     logp = torch.log_softmax(logits.float(), dim=-1)
     valid = mask[:, p:].bool()
     token = logp.gather(-1, ids[:, p:, None]).squeeze(-1)
@@ -173,18 +175,72 @@ def test_unsupported_models_are_refused(name: str) -> None:
         lean_completion_logprobs(model, ids, mask, p)
 
 
-def test_hooks_and_marked_blocks_are_refused() -> None:
+def test_hooks_and_replaced_forwards_are_refused() -> None:
     model = build(CONFIGS["qwen2-tied"]())
     assert supports_lean_forward(model)
     handle = model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: None)
     assert not supports_lean_forward(model)  # the lean path calls no module: the hook would be skipped
     handle.remove()
     assert supports_lean_forward(model)
-    model.model.layers[1].__dict__["_rltune_checkpointed"] = True
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x: 2 * type(mlp).forward(mlp, x)  # a patch the lean path would skip
     assert not supports_lean_forward(model)
+    del mlp.forward
+    model.model.layers[1].__dict__["_rltune_compiled"] = True
+    assert not supports_lean_forward(model)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_blocks_are_recomputed_with_the_same_gradients(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks checkpointed by the learner (``train.activation_checkpointing``) run under
+    ``torch.utils.checkpoint`` in the lean path too: the same log-probs and gradients to
+    the bit (the same arithmetic), and the checkpointed blocks run again in the backward."""
+    import rltune.models.lean_forward as lean
+
+    plain = build(Qwen2Config(**{**SMALL, "num_hidden_layers": 4}))
+    ids, mask, p = batch(*LAYOUTS["shared-padded"])
+    want_logp, _ = lean_completion_logprobs(plain, ids, mask, p)
+    want = grads_of(plain, want_logp)
+    apply_activation_checkpointing(plain, mode)
+    assert supports_lean_forward(plain)
+    calls = []
+    block = lean._block
+    monkeypatch.setattr(lean, "_block", lambda *a, **kw: calls.append(1) or block(*a, **kw))
+    logp, _ = lean_completion_logprobs(plain, ids, mask, p)
+    got = grads_of(plain, logp)
+    assert torch.equal(logp, want_logp)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert len(calls) == 4 + {"full": 4, "selective": 2}[mode]  # the forward, then the recomputes
+    assert_same(plain, ids, mask, p)
 
 
 def test_attention_dropout_is_refused_only_in_training() -> None:
     model = build(Qwen2Config(**SMALL, attention_dropout=0.1))
     assert not supports_lean_forward(model)
     assert supports_lean_forward(model.eval())  # no dropout in eval mode
+
+
+def test_completion_logprobs_runs_the_lean_forward_where_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``completion_logprobs`` takes the lean path for a supported model (the same
+    tensors as calling it directly) and the transformers forward for one it refuses."""
+    import rltune.models.lean_forward as lean
+    from rltune.models.logprobs import completion_logprobs
+
+    model = build(CONFIGS["qwen2-tied"]())
+    ids, mask, p = batch(*LAYOUTS["shared-padded"])
+    calls = []
+    block = lean._block
+    monkeypatch.setattr(lean, "_block", lambda *a, **kw: calls.append(1) or block(*a, **kw))
+    out = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    assert len(calls) == 2  # one call per layer
+    logp, entropy = lean_completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    assert torch.equal(out.logprobs, logp) and torch.equal(out.entropy, entropy)
+    calls.clear()
+    handle = model.model.register_forward_hook(lambda *_: None)
+    try:
+        out = completion_logprobs(model, ids, mask, p, temperature=0.7, with_entropy=True)
+    finally:
+        handle.remove()
+    assert not calls  # the hooked model ran transformers' forward
+    torch.testing.assert_close(out.logprobs, logp, rtol=0, atol=LOGP_TOL)
