@@ -15,9 +15,11 @@ into the matrix products (mm/addmm/bmm/linear kernels and SDPA's) and everything
 and counts the ATen ops one forward dispatches (top-level ones: those not called by
 another ATen op); the profiler's self time is wall time inside each op, so on a busy
 machine its split is a guide, not a measurement. ``time`` compares implementations of
-the forward (``hf``: the one above; ``lean``: :mod:`rltune.models.lean_forward`) by process CPU time
-of forward+backward per step (``hf-nograd``, ``lean-nograd``: the forward alone without
-grad, as the reference pass runs it), interleaved round by round, medians over ``--repeats``.
+the forward (``hf``: the one above on the transformers forward, as before
+:mod:`rltune.models.lean_forward`; ``lean``: that module's, which it runs now where it
+applies) by process CPU time of forward+backward per step (``hf-nograd``,
+``lean-nograd``: the forward alone without grad, as the reference pass runs it),
+interleaved round by round, medians over ``--repeats``.
 
     python benchmarks/train_forward_overhead.py profile --model 3m
     python benchmarks/train_forward_overhead.py time --model 25m --repeats 7
@@ -26,12 +28,13 @@ grad, as the reference pass runs it), interleaved round by round, medians over `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -81,20 +84,41 @@ def grpo_batch(vocab: int, group: int = 8, prompt: int = 6, completion: int = 32
     return join([ids] * group, [torch.randint(3, vocab, (completion,), generator=g) for _ in range(group)], 0)
 
 
-def hf_step(model: torch.nn.Module, batch: Batch) -> None:
+@contextlib.contextmanager
+def transformers_path() -> Iterator[None]:
+    """Within the block ``completion_logprobs`` runs the transformers forward (its path
+    before :mod:`rltune.models.lean_forward`), for every model."""
+    import rltune.models.logprobs as logprobs
+
+    supports = logprobs.supports_lean_forward
+    logprobs.supports_lean_forward = lambda model: False
+    try:
+        yield
+    finally:
+        logprobs.supports_lean_forward = supports
+
+
+def _hf_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     from rltune.models.logprobs import completion_logprobs
 
-    ids, mask, p = batch
-    out = completion_logprobs(model, ids, mask, p, with_entropy=True)
-    out.logprobs.sum().backward()
+    with transformers_path():
+        return completion_logprobs(model, batch[0], batch[1], batch[2], with_entropy=True).logprobs
 
 
-def lean_step(model: torch.nn.Module, batch: Batch) -> None:
+def _lean_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     from rltune.models.lean_forward import lean_completion_logprobs
 
-    ids, mask, p = batch
-    logprobs, _ = lean_completion_logprobs(model, ids, mask, p, with_entropy=True)
-    logprobs.sum().backward()
+    return lean_completion_logprobs(model, batch[0], batch[1], batch[2], with_entropy=True)[0]
+
+
+FORWARDS: dict[str, Callable[[torch.nn.Module, Batch], torch.Tensor]] = {"hf": _hf_forward, "lean": _lean_forward}
+
+
+def _train(impl: str) -> Callable[[torch.nn.Module, Batch], None]:
+    """The forward with entropy and the backward of the log-probs' sum."""
+    def run(model: torch.nn.Module, batch: Batch) -> None:
+        FORWARDS[impl](model, batch).sum().backward()
+    return run
 
 
 def _no_grad(impl: str) -> Callable[[torch.nn.Module, Batch], None]:
@@ -106,22 +130,7 @@ def _no_grad(impl: str) -> Callable[[torch.nn.Module, Batch], None]:
 
 
 IMPLS: dict[str, Callable[[torch.nn.Module, Batch], None]] = {
-    "hf": hf_step, "lean": lean_step, "hf-nograd": _no_grad("hf"), "lean-nograd": _no_grad("lean")}
-
-
-def _hf_forward(model: torch.nn.Module, batch: Batch) -> None:
-    from rltune.models.logprobs import completion_logprobs
-
-    completion_logprobs(model, batch[0], batch[1], batch[2], with_entropy=True)
-
-
-def _lean_forward(model: torch.nn.Module, batch: Batch) -> None:
-    from rltune.models.lean_forward import lean_completion_logprobs
-
-    lean_completion_logprobs(model, batch[0], batch[1], batch[2], with_entropy=True)
-
-
-FORWARDS: dict[str, Callable[[torch.nn.Module, Batch], None]] = {"hf": _hf_forward, "lean": _lean_forward}
+    "hf": _train("hf"), "lean": _train("lean"), "hf-nograd": _no_grad("hf"), "lean-nograd": _no_grad("lean")}
 
 
 def split_profile(impl: str, model: torch.nn.Module, batch: Batch, steps: int) -> dict[str, float]:
