@@ -20,8 +20,15 @@ flows back to the one prompt) and causally to their own. Otherwise whole rows ru
 without the last column (it predicts past the end).
 
 Only the hidden states at the completion positions go through the final norm; the head,
-temperature and log-softmax are :func:`~rltune.models.chunked.chunked_stats`'s.
-:func:`supports_lean_forward` admits a model only where this is exactly its forward.
+temperature and log-softmax are :func:`~rltune.models.chunked.chunked_stats`'s. Blocks
+the learner checkpoints (``train.activation_checkpointing``) run under
+``torch.utils.checkpoint`` here too. :func:`supports_lean_forward` admits a model only
+where this is exactly its forward; :func:`~rltune.models.logprobs.completion_logprobs`
+runs it then.
+
+Memory: a training forward saves what the transformers forward saves. Without grad,
+one layer's intermediates cover the prompts and the completions at once, where the
+transformers shared-prompt forward held one of the two at a time.
 
 Measured (``benchmarks/train_forward_overhead.py time``, process CPU time, one thread,
 medians of 7 interleaved rounds): forward+backward with entropy 1.23x faster than the
