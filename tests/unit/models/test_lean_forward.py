@@ -5,19 +5,21 @@ forward it does not reproduce.
 The expected values come from transformers' own forward over every row's whole sequence
 (logits, log-softmax and entropy written out here), not from rltune's code.
 
-Tolerances, all float32 (machine epsilon 1.2e-7):
+Tolerances in float32 (machine epsilon 1.2e-7; bfloat16's at :data:`BF16_TOL`):
 
 - log-probs and entropy, 1e-5 absolute. Both sides compute the same dot products of at
   most 4 x 48 terms; the lean path may group tokens into other matrix shapes (prompts and
   completions in one product), which changes the kernel's summation order, so each
   product differs by a few ulps of its terms (~1e-7 at these O(1) magnitudes). Two or
   three layers, the head and a logsumexp over 64 logits carry that to ~1e-6 at most
-  (measured: at most 9.5e-7, two ulps of a log-prob near -4); a wrong rotary phase or
-  an unmasked padded key moves them by ~1e-1 (checked by breaking each on purpose).
+  (measured: at most 9.5e-7, a few ulps of a log-prob near -4); a wrong rotary phase or
+  an unmasked padded key moves them by 0.1-0.5 (checked by breaking each on purpose; the
+  weights are drawn with std 0.1, not HF's 0.02, so that attention is not near uniform
+  and such mistakes show).
 - gradients, 1e-5 of the largest gradient entry of the model. A weight's gradient is a
   sum over every token of the batch (~100 terms here), in another order when the lean
   path runs one product where HF runs a prompt and a completion product and adds them:
-  a relative error of ~100 ulps ~ 1e-5 at worst, 2.3e-7 measured; comparing against the
+  a relative error of ~100 ulps ~ 1e-5 at worst, 8.3e-7 measured; comparing against the
   largest entry keeps near-zero entries (bias gradients) from failing on absolute noise.
 """
 
@@ -40,7 +42,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 64
 SMALL = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             initializer_range=0.1)  # see the module docstring
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2-tied": lambda: Qwen2Config(**SMALL, tie_word_embeddings=True),  # q/k/v bias
     "qwen2-untied": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
@@ -131,6 +134,32 @@ def assert_same(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, p
 def test_logprobs_entropy_and_gradients_equal_hf(arch: str, layout: str) -> None:
     ids, mask, p = batch(*LAYOUTS[layout])
     assert_same(build(CONFIGS[arch]()), ids, mask, p)
+
+
+BF16_TOL = 2e-2
+"""bfloat16 (and CPU autocast to it): 8 significant bits, so one rounding of an O(1) logit
+or weight-gradient entry moves it by up to 2^-8 relative; the two paths round after
+differently grouped products, so values may differ by about one bf16 ulp (7.8e-3 at
+1-2): 2e-2 absolute on log-probs and of the largest gradient entry allows two (measured:
+at most 9.0e-3 and 9.1e-3); a wrong mask or rotary phase moves log-probs by 0.1-0.5."""
+
+
+@pytest.mark.parametrize("layout", ["shared-padded", "rows-padded"])
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+@pytest.mark.parametrize("arch", ["qwen2-tied", "mistral"])
+def test_bfloat16_and_autocast(arch: str, precision: str, layout: str) -> None:
+    model = build(CONFIGS[arch]())
+    model = model.to(torch.bfloat16) if precision == "bf16" else model
+    ids, mask, p = batch(*LAYOUTS[layout])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        want_logp, want_entropy = hf_stats(model, ids, mask, p, 1.0)
+        logp, entropy = lean_completion_logprobs(model, ids, mask, p, with_entropy=True)
+    want, got = grads_of(model, want_logp), grads_of(model, logp)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=BF16_TOL)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=BF16_TOL)
+    scale = max(g.abs().max().float() for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name].float(), want[name].float(), rtol=0, atol=BF16_TOL * scale, msg=name)
 
 
 def test_temperature_and_chunks(tiny_dir: str) -> None:
