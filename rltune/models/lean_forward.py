@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rltune.models.chunked import chunked_stats
 from rltune.models.shared_prompt import _as_ddp_forward, prompt_groups
-from rltune.rollout.fastpath import _Layer, _layer, has_hooks, rms_norm, supports_fastpath
+from rltune.models.dense_layout import LayerTensors, has_hooks, layer_tensors, rms_norm, supports_fastpath
 
 _CHECKPOINTED = "_rltune_checkpointed"
 """The mark of a block whose training forward ``rltune.learner.memory`` checkpoints."""
@@ -63,7 +63,7 @@ _CHECKPOINTED = "_rltune_checkpointed"
 def supports_lean_forward(model: nn.Module) -> bool:
     """Whether :func:`lean_completion_logprobs` computes what ``model``'s forward does.
 
-    The generation fast path's conditions (:func:`~rltune.rollout.fastpath.supports_fastpath`:
+    The generation fast path's conditions (:func:`~rltune.models.dense_layout.supports_fastpath`:
     an unwrapped Qwen2 / Llama / Mistral causal LM, default rope, no sliding window, plain
     ``nn.Linear`` projections, so no LoRA), no forward hooks, no attention dropout while
     training, no module whose ``forward`` was replaced on the instance (a compiled block,
@@ -218,12 +218,13 @@ def _rope_tables(model: nn.Module, parts: list[_Part], like: torch.Tensor) -> tu
 def _body(model: nn.Module, parts: list[_Part]) -> torch.Tensor:
     """``[N, H]`` last hidden states (before the final norm) of every part's tokens, flat."""
     inner = model.model
-    h = F.embedding(torch.cat([p.ids.reshape(-1) for p in parts]), inner.embed_tokens.weight)
+    embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in nn.Embedding
+    h = F.embedding(torch.cat([p.ids.reshape(-1) for p in parts]), embed.weight, embed.padding_idx)
     cos, sin = _rope_tables(model, parts, h)
     attn = inner.layers[0].self_attn
     head_dim, scale = attn.head_dim, attn.scaling
     for module in inner.layers:
-        run = functools.partial(_block, _layer(module), parts=parts, cos=cos, sin=sin,
+        run = functools.partial(_block, layer_tensors(module), parts=parts, cos=cos, sin=sin,
                                 head_dim=head_dim, scale=scale)
         # a checkpointed block keeps only its input; the backward recomputes it (the same
         # arithmetic, so the same gradients), as rltune.learner.memory does for HF's forward
@@ -232,7 +233,7 @@ def _body(model: nn.Module, parts: list[_Part]) -> torch.Tensor:
     return h
 
 
-def _block(layer: _Layer, h: torch.Tensor, *, parts: list[_Part], cos: torch.Tensor, sin: torch.Tensor,
+def _block(layer: LayerTensors, h: torch.Tensor, *, parts: list[_Part], cos: torch.Tensor, sin: torch.Tensor,
            head_dim: int, scale: float) -> torch.Tensor:
     """One decoder layer on the flat hidden state ``h [N, H]``."""
     a = _norm(h, layer.norm1, layer.eps1)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from rltune.rollout.fastpath import rms_norm, rotate
+from rltune.models.dense_layout import rms_norm, rotate
 
 if TYPE_CHECKING:
     from rltune.rollout.fastpath import LeanDecoder

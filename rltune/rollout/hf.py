@@ -32,7 +32,8 @@ from rltune.models.vl_inputs import (
     suppress_placeholders,
 )
 from rltune.rollout.compiled import CompiledStep
-from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
+from rltune.models.dense_layout import has_hooks, supports_fastpath
+from rltune.rollout.fastpath import LeanDecoder
 from rltune.rollout.sampling import sample_next
 
 

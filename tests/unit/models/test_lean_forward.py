@@ -182,6 +182,23 @@ def test_the_parameters_are_the_models_own() -> None:
     assert_same(model, ids, mask, p)
 
 
+def test_the_padding_row_gets_no_gradient() -> None:
+    """With ``pad_token_id`` set, the embedding's ``padding_idx`` row gets no gradient from
+    the lookup (``nn.Embedding``'s rule), also where the pad id is an attended token; with
+    tied embeddings the head's gradient still reaches that row."""
+    for tied in (True, False):
+        model = build(Qwen2Config(**SMALL, tie_word_embeddings=tied, pad_token_id=0))
+        assert model.model.embed_tokens.padding_idx == 0
+        ids, mask, p = batch(*LAYOUTS["shared-padded"])
+        ids[0, p - 1] = ids[1, p - 1] = ids[0, p + 1] = 0  # in a shared prompt and a completion
+        assert_same(model, ids, mask, p)
+        logp, _ = lean_completion_logprobs(model, ids, mask, p)
+        (logp.sum() if tied else logp[:, :1].sum()).backward()
+        pad_row = model.model.embed_tokens.weight.grad[0]
+        assert (pad_row.abs().max() > 0) if tied else bool((pad_row == 0).all())
+        model.zero_grad(set_to_none=True)
+
+
 REFUSED: dict[str, Callable[[], Any]] = {
     "rope-linear": lambda: build(LlamaConfig(**SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "rope-yarn": lambda: build(Qwen2Config(**SMALL, rope_scaling={"rope_type": "yarn", "factor": 2.0})),

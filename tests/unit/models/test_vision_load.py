@@ -14,7 +14,7 @@ from rltune.models.load import (
     load_model,
     load_processor,
 )
-from rltune.rollout.fastpath import supports_fastpath
+from rltune.models.dense_layout import supports_fastpath
 
 
 def _copy(src: str, tmp_path: Path) -> Path:

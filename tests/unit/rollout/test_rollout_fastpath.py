@@ -17,7 +17,8 @@ from transformers import (
 )
 
 from rltune.data.records import Prompt, SamplingParams
-from rltune.rollout.fastpath import LeanDecoder, has_hooks, supports_fastpath
+from rltune.models.dense_layout import has_hooks, supports_fastpath
+from rltune.rollout.fastpath import LeanDecoder
 from rltune.rollout.hf import HFGenerator, HFSteps
 
 SMALL = dict(

@@ -16,7 +16,7 @@ from rltune.models.load import load_model, load_processor, resolve_model
 from rltune.models.logprobs import completion_logprobs
 from rltune.models.vision import image_token_ids
 from rltune.models.vl_inputs import SUPPRESSED, token_types
-from rltune.rollout.fastpath import supports_fastpath
+from rltune.models.dense_layout import supports_fastpath
 from rltune.envs.base import StepResult
 from rltune.envs.episodes import EpisodeGenerator
 from rltune.envs.tool_format import turn_glue
