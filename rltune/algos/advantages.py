@@ -79,8 +79,9 @@ def group_advantages(
         A_i    = (r_i - mean_g) / (std_g + eps)     # scale="std"  (GRPO)
         A_i    =  r_i - mean_g                      # scale="none" (Dr. GRPO)
 
-    The std is the *sample* (unbiased, Bessel-corrected) one, as ``torch.std`` computes it
-    in TRL's GRPO trainer, so the numbers match that reference.
+    The std is the *sample* (unbiased, Bessel-corrected) one, as TRL's GRPO trainer
+    computes it; TRL adds ``eps = 1e-4`` where the default here is 1e-6 (``algo.adv_eps``
+    sets it), so the numbers match that reference at ``eps=1e-4``.
 
     ``valid`` (``[B]`` bool, optional) marks rows that have a reward; a row whose reward
     function returned None or raised is invalid. Invalid rows are left out of their group's

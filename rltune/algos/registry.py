@@ -84,7 +84,7 @@ def gspo_loss_kwargs(cfg: Any, max_len: int | None) -> dict[str, Any]:
 
 def group_advantage_kwargs(cfg: Any) -> dict[str, Any]:
     """``group_advantages``' keys of the ``algo`` section."""
-    return {"scale": cfg.adv_scale}
+    return {"scale": cfg.adv_scale, "eps": cfg.adv_eps}
 
 
 def online_algorithm(

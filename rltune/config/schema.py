@@ -100,6 +100,10 @@ class AlgoConfig(_Section):
     """Samples drawn per prompt; the group is the baseline for GRPO/RLOO advantages."""
     adv_scale: Literal["std", "none"] = "std"
     """GRPO divides by the group's reward std; ``none`` is Dr.GRPO."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the group's reward std before dividing (``adv_scale: std``). TRL's GRPO
+    trainer adds 1e-4; the two give the same update wherever the gradient norm is clipped
+    (the clip removes the common factor), and differ by ``eps / std`` otherwise."""
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     """Upper clip of the ratio; above ``clip_low`` is DAPO's clip-higher."""

@@ -46,16 +46,18 @@ def rollouts() -> list[Rollout]:
 
 
 @pytest.mark.parametrize(
-    ("scale", "group0"),
+    ("scale", "eps", "group0"),
     [
         # valid rewards {1, 0, 2}: mean 1, sample std sqrt((0 + 1 + 1) / 2) = 1
-        ("std", [0.0, 0.0, -1 / (1 + EPS), 1 / (1 + EPS)]),
-        ("none", [0.0, 0.0, -1.0, 1.0]),
+        ("std", EPS, [0.0, 0.0, -1 / (1 + EPS), 1 / (1 + EPS)]),
+        ("std", 1e-4, [0.0, 0.0, -1 / (1 + 1e-4), 1 / (1 + 1e-4)]),  # algo.adv_eps reaches the estimator
+        ("none", 1e-4, [0.0, 0.0, -1.0, 1.0]),
     ],
 )
-def test_missing_reward_is_masked_out_and_left_out_of_the_baseline(scale: str, group0) -> None:
+def test_missing_reward_is_masked_out_and_left_out_of_the_baseline(scale: str, eps: float, group0) -> None:
+    algo = AlgoConfig(group_size=GROUP, adv_scale=scale, adv_eps=eps)
     batch, _ = make_experience(
-        rollouts(), algorithm=ALGORITHMS["grpo"], algo=AlgoConfig(group_size=GROUP, adv_scale=scale), pad_id=PAD,
+        rollouts(), algorithm=ALGORITHMS["grpo"], algo=algo, pad_id=PAD,
         policy_logprobs=lambda batch: pytest.fail("a batch learned once needs no old log-probs"),
     )
     valid = [r is not None for r in REWARDS]
