@@ -8,8 +8,9 @@ computes from them is compared:
 
 1. Model, prompts and settings are ``grpo_vs_trl.py``'s (``trl_common.prepare``: 3 M
    Qwen2, ``builtin:arith/train``; group 8, 32 new tokens, temperature 1, lr 3e-4, fp32,
-   no KL, token-mean loss, clip 0.2, group-std advantages, grad clip 1.0, AdamW).
-2. rltune's run (``build_run`` with ``run_rltune``'s config) samples the group with its
+   no KL, token-mean loss, clip 0.2, group-std advantages with TRL's ``std + 1e-4``
+   (``algo.adv_eps``), grad clip 1.0, AdamW).
+2. rltune's run (``build_run`` with ``rltune_overrides``' config) samples the group with its
    own generator and scorer (``collector.collect``, as a training step does), reward
    ``trl_common.digit_share``; a group whose rewards are all equal is skipped.
 3. rltune learns on those rollouts by its training path: ``source.experience``
@@ -44,15 +45,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_common as common  # noqa: E402
+from grpo_vs_trl import GROUP, NEW_TOKENS, rltune_overrides  # noqa: E402
 
-GROUP = 8
-NEW_TOKENS = 32
 LR = 3e-4
 
 TOL = {
     # |A| <= sqrt(7) for 8 samples; each A is a mean, a std and a division in fp32
-    # (relative error a few u = 6e-8), so ~1e-6 absolute. TRL's divisor (std + 1e-4) and
-    # rltune's (std + 1e-6) differ by 1e-4 / std, far above this (shown on its own line).
+    # (relative error a few u = 6e-8), so ~1e-6 absolute. A different eps in the divisor
+    # (rltune's default std + 1e-6 against TRL's std + 1e-4) is 1e-4 / std, far above this.
     "advantages": 1e-5,
     # the loss is a signed sum of ~250 token terms A_i * ratio that cancel, so its error is
     # measured against mean |A| over the tokens: a sum of n terms in fp32 errs by ~sqrt(n) u.
@@ -70,18 +70,12 @@ TOL = {
 
 
 def rltune_run(model_dir: Path, prompts: Path, work: Path, seed: int, prompts_per_step: int):
-    """rltune's run with ``grpo_vs_trl.run_rltune``'s config."""
+    """rltune's run with ``grpo_vs_trl.run_rltune``'s config (``rltune_overrides``)."""
     from rltune.config import load_config
     from rltune.runtime.local import build_run
 
-    cfg = load_config(None, [
-        "name=bench", f"model.path={model_dir}", "algo.name=grpo",
-        f"algo.group_size={GROUP}", f"data.train={prompts}", "data.shuffle=false",
-        "data.chat_template=false",
-        f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
-        "train.steps=1", f"train.prompts_per_step={prompts_per_step}", f"train.lr={LR}",
-        f"log.dir={work}", f"train.seed={seed}", "log.console=false", "checkpoint.final=false",
-    ])
+    cfg = load_config(None, rltune_overrides(model_dir, prompts, work, seed=seed, steps=1, lr=LR,
+                                             prompts_per_step=prompts_per_step))
     return build_run(cfg)
 
 
@@ -343,7 +337,7 @@ def verdict(results: list[tuple[list, list]]) -> tuple[bool, str]:
         return False, f"DIFFER at '{plain_bad[0]}', and at '{given_bad[0]}' with rltune's advantages given to TRL"
     step = ("the same step after the clip (one group: a common factor, which the clip removes)"
             if not any("after" in name for name in plain_bad) else "a different step")
-    return False, (f"DIFFER in the advantages only (TRL: std + 1e-4, rltune: std + 1e-6), {step}; "
+    return False, (f"DIFFER in the advantages only, {step}; "
                    "given rltune's advantages TRL computes the same loss, gradients and step")
 
 

@@ -66,6 +66,23 @@ ASYNC_SETS = ("runtime.max_staleness=1", "algo.importance_correction=token-trunc
 correction rltune requires for samples of an older policy."""
 
 
+TRL_ADV_EPS = 1e-4
+"""TRL's GRPO trainer divides by ``std + 1e-4``; rltune's side sets ``algo.adv_eps`` to it."""
+
+
+def rltune_overrides(model_dir: Path, prompts: Path, work: Path, *, seed: int, steps: int, lr: float,
+                     prompts_per_step: int = 1) -> list[str]:
+    """rltune's GRPO config with TRL's settings (``run_trl``'s GRPOConfig)."""
+    return [
+        "name=bench", f"model.path={model_dir}", "algo.name=grpo",
+        f"algo.group_size={GROUP}", f"algo.adv_eps={TRL_ADV_EPS}", f"data.train={prompts}",
+        "data.shuffle=false", "data.chat_template=false",
+        f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
+        f"train.steps={steps}", f"train.prompts_per_step={prompts_per_step}", f"train.lr={lr}",
+        f"log.dir={work}", f"train.seed={seed}", "log.console=false", "checkpoint.final=false",
+    ]
+
+
 def run_rltune(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = ()) -> dict:
     """rltune's GRPO in this process; step times and rewards from its history.
     ``extra``: config overrides of this side (before ``--rltune-set``'s)."""
@@ -73,15 +90,8 @@ def run_rltune(args: argparse.Namespace, work: Path, extra: tuple[str, ...] = ()
     from rltune.runtime.local import build_run
     from rltune.runtime.loop import train
 
-    cfg = load_config(None, [
-        "name=bench", f"model.path={args.model_dir}", "algo.name=grpo",
-        f"algo.group_size={GROUP}", f"data.train={args.prompts}", "data.shuffle=false",
-        "data.chat_template=false",
-        f"reward.0.fn={common.__file__}:digit_share", f"rollout.max_new_tokens={NEW_TOKENS}",
-        f"train.steps={args.steps}", "train.prompts_per_step=1", f"train.lr={args.lr}",
-        f"log.dir={work}", f"train.seed={args.seed}", "log.console=false",
-        "checkpoint.final=false", *extra, *args.rltune_set,
-    ])
+    base = rltune_overrides(args.model_dir, args.prompts, work, seed=args.seed, steps=args.steps, lr=args.lr)
+    cfg = load_config(None, [*base, *extra, *args.rltune_set])
     run = build_run(cfg)
     history = train(run)
     producer = getattr(run.source, "producer", None)  # rollouts ahead of the learner
