@@ -102,6 +102,7 @@ class LayerTensors:
 
 
 def layer_tensors(layer: nn.Module) -> LayerTensors:
+    """``layer``'s parameter tensors, read when called (an optimizer step in place shows)."""
     attn, mlp = layer.self_attn, layer.mlp
     return LayerTensors(
         norm1=layer.input_layernorm.weight, eps1=layer.input_layernorm.variance_epsilon,

@@ -37,8 +37,8 @@ learner's (8 x 38 tokens) with the 3 M Qwen2; 1.20x and 1.19x with the 25 M one;
 forward alone without grad 1.14-1.33x. The rest is the matrix products (about 70 % of
 the step at 3 M). The projections stay separate: q/k/v or gate/up concatenated into one
 product (the cat and its backward included) measured 3-10 % slower on the CPU. On the
-whole DPO benchmark (``benchmarks/dpo_vs_trl.py``, 3 rounds, a shared 2-core machine)
-rltune went from 1.23x to 1.61x TRL's pairs/s (1.39x to 1.56x with ``--threads 1``).
+whole DPO benchmark (``benchmarks/dpo_vs_trl.py``, 3 rounds, a quiet 2-core machine)
+rltune went from 1.22x to 1.54x TRL's pairs/s (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from rltune.models.chunked import chunked_stats
-from rltune.models.shared_prompt import _as_ddp_forward, prompt_groups
 from rltune.models.dense_layout import LayerTensors, has_hooks, layer_tensors, rms_norm, supports_fastpath
+from rltune.models.shared_prompt import _as_ddp_forward, prompt_groups
 
 _CHECKPOINTED = "_rltune_checkpointed"
 """The mark of a block whose training forward ``rltune.learner.memory`` checkpoints."""

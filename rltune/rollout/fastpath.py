@@ -102,7 +102,7 @@ class _Fused:
     down: _Linear
 
 
-def _fuse(layer: "LayerTensors", *, fuse: bool, pack: bool, rows: int) -> _Fused:
+def _fuse(layer: LayerTensors, *, fuse: bool, pack: bool, rows: int) -> _Fused:
     """``layer``'s live weights for one generation: q/k/v and gate/up concatenated when
     ``fuse``, each matrix packed when ``pack``."""
     return _Fused(

@@ -22,6 +22,7 @@ from rltune.data.records import Prompt, Rollout, SamplingParams, VisionInputs
 from rltune.metrics import keys
 from rltune.metrics.types import Metric
 from rltune.models.autocast import autocast_for
+from rltune.models.dense_layout import has_hooks, supports_fastpath
 from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
 from rltune.models.vision import batch_vision_inputs
 from rltune.models.vl_inputs import (
@@ -32,7 +33,6 @@ from rltune.models.vl_inputs import (
     suppress_placeholders,
 )
 from rltune.rollout.compiled import CompiledStep
-from rltune.models.dense_layout import has_hooks, supports_fastpath
 from rltune.rollout.fastpath import LeanDecoder
 from rltune.rollout.sampling import sample_next
 

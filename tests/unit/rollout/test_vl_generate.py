@@ -12,11 +12,11 @@ from PIL import Image
 from rltune.data.collate import collate_rollouts
 from rltune.data.records import Prompt, SamplingParams
 from rltune.learner.objectives import batch_vision, logprob_forward
+from rltune.models.dense_layout import supports_fastpath
 from rltune.models.load import load_model, load_processor, resolve_model
 from rltune.models.logprobs import completion_logprobs
 from rltune.models.vision import image_token_ids
 from rltune.models.vl_inputs import SUPPRESSED, token_types
-from rltune.models.dense_layout import supports_fastpath
 from rltune.envs.base import StepResult
 from rltune.envs.episodes import EpisodeGenerator
 from rltune.envs.tool_format import turn_glue
