@@ -1,11 +1,14 @@
-"""CPU time of the lean decoder's one-token step, variants alternated in one process.
+"""Time of the lean decoder's one-token step, variants alternated in one process.
 
 Runs the GRPO benchmark's shapes (``--size 3m`` / ``25m``, the models of
 ``grpo_vs_trl.py``; one 6-token prompt, a group of 8 rows, 32 new tokens, greedy) on one
-torch thread and reports CPU time of that thread (``time.thread_time``). The variants
-take turns generation by generation in one process, so that a shared machine's load,
-which moves CPU time too (another process on the sibling core, a thrashed cache), hits
-each alike; separate runs of each variant disagreed by up to 40 % under load.
+torch thread and reports CPU time of that thread (``time.thread_time``); with
+``--threads N`` (N > 1) it runs N threads and reports wall-clock time, which only a
+quiet machine makes meaningful (the other threads' work is not the main thread's CPU
+time). The variants take turns generation by generation in one process, so that a
+shared machine's load, which moves CPU time too (another process on the sibling core, a
+thrashed cache), hits each alike; separate runs of each variant disagreed by up to 40 %
+under load.
 
 Variants: ``plain`` (``LeanDecoder(pack=False)``: on a CPU one ``F.linear`` per projection),
 ``fused+packed`` (q/k/v and gate/up fused, on oneDNN-packed weights: the CPU float32
@@ -41,15 +44,20 @@ ROWS = 8
 NEW_TOKENS = 32
 
 
+CLOCK = [time.thread_time]
+"""The clock: this thread's CPU time, or wall time with ``--threads`` above 1."""
+
+
 def one_generation(make: Callable[[], object], ids: torch.Tensor) -> tuple[float, float, float]:
     """(prefill s, s per step, s per token overall) of one greedy generation."""
-    start = time.thread_time()
+    clock = CLOCK[0]
+    start = clock()
     decoder = make()
     tokens = decoder.prefill(ids, torch.ones_like(ids), repeats=ROWS).argmax(-1)
-    mid = time.thread_time()
+    mid = clock()
     for _ in range(NEW_TOKENS - 1):
         tokens = decoder.step(tokens).argmax(-1)
-    end = time.thread_time()
+    end = clock()
     return mid - start, (end - mid) / (NEW_TOKENS - 1), (end - start) / NEW_TOKENS
 
 
@@ -70,8 +78,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--baseline", type=Path, help="another tree's rltune/rollout/fastpath.py")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; above 1 the figures are wall-clock time")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    if args.threads > 1:
+        CLOCK[0] = time.perf_counter
     from transformers import AutoModelForCausalLM
 
     from rltune.models.tiny import build_tiny
@@ -104,7 +116,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, make in variants.items():
                 runs[name].append(one_generation(make, ids))
-    print(f"{args.size}, {ROWS} rows, {NEW_TOKENS} tokens, CPU time of one thread, medians of {args.repeats}")
+    clock = "CPU time of one thread" if args.threads == 1 else f"wall time, {args.threads} threads"
+    print(f"{args.size}, {ROWS} rows, {NEW_TOKENS} tokens, {clock}, medians of {args.repeats}")
     for name, res in runs.items():
         prefill, step, token = (statistics.median(r[i] for r in res) for i in range(3))
         print(f"  {name:>13}: prefill {prefill * 1e3:6.2f} ms  step {step * 1e6:8.1f} us  "

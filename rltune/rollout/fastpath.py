@@ -69,6 +69,13 @@ class _Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + (x Wᵀ + b)``; packed, the sum is the product's oneDNN post-op
+        (one call, the same float32 addition)."""
+        if self.pack:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return residual + F.linear(x, self.weight, self.bias)
+
 
 class _Projections:
     """Several projections of one input: one product on their concatenated weights whose
@@ -89,6 +96,12 @@ class _Projections:
         if self.split is not None:
             return self.linears[0](x).split(self.split, dim=-1)
         return tuple(linear(x) for linear in self.linears)
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor:
+        """The projections' outputs side by side in one tensor, ``[..., sum of widths]``."""
+        if self.split is not None:
+            return self.linears[0](x)
+        return torch.cat([linear(x) for linear in self.linears], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -113,11 +126,16 @@ def _fuse(layer: LayerTensors, *, fuse: bool, pack: bool, rows: int) -> _Fused:
     )
 
 
+def cpu_float32(weight: torch.Tensor) -> bool:
+    """A float32 weight on the CPU without CPU autocast: where the one-query step's
+    attention is written out (see :meth:`LeanDecoder.step`)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether the oneDNN packed product applies: a float32 CPU weight, oneDNN built in,
     and no CPU autocast (which would otherwise run the products in its own dtype)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and not torch.is_autocast_enabled("cpu"))
+    return cpu_float32(weight) and torch.backends.mkldnn.is_available()
 
 
 class LeanDecoder:
@@ -159,6 +177,7 @@ class LeanDecoder:
                              f"autocast {torch.is_autocast_enabled('cpu')}")
         self.pack = pack
         self.fused: list[_Fused] = []
+        self.key_bias: torch.Tensor | None = None
         self._t = 0
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
@@ -175,6 +194,14 @@ class LeanDecoder:
             logits = logits.repeat_interleave(repeats, 0)
         if self.compiled is not None:
             self.compiled.begin(self)
+        elif cpu_float32(self.embed):
+            # the one-query step's additive key mask, one row per (row, kv head) as its
+            # batched products lay them out: 0 where a key is valid, -inf where padded
+            kv_heads = self.keys[0].shape[1]
+            bias = torch.zeros(self.valid.shape, dtype=self.embed.dtype, device=self.embed.device)
+            self.key_bias = bias.masked_fill_(~self.valid, float("-inf")).repeat_interleave(kv_heads, 0)[:, None]
+        else:
+            self.key_bias = None
         return logits
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -219,6 +246,10 @@ class LeanDecoder:
             logits = self.compiled.step(self, tokens)
             self._t = t + 1
             return logits
+        if self.key_bias is not None:
+            h = self._one_query(F.embedding(tokens, self.embed), t)
+            self._t = t + 1
+            return F.linear(F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps), self.lm_head)
         x = F.embedding(tokens.unsqueeze(-1), self.embed)
         h = self._forward(x, self.valid[:, None, None, : t + 1], t, t + 1)
         self._t = t + 1
@@ -233,6 +264,39 @@ class LeanDecoder:
             m = rms_norm(h, layer.norm2, layer.eps2)
             gate, up = fused.gate_up(m)
             h = h + fused.down(F.silu(gate) * up)
+        return h
+
+    def _one_query(self, h: torch.Tensor, t: int) -> torch.Tensor:
+        """Position ``t`` of every row through every layer, on a CPU in float32: ``h [R, H]``.
+
+        :meth:`_forward`'s arithmetic for one query, in fewer and cheaper calls, which is
+        what a small model's decode step costs on a CPU. The attention is two batched
+        products over the cache, with (row, kv head) pairs as the batch and a kv head's
+        group of query heads as its rows: the first (``baddbmm``) adds the padded keys'
+        ``-inf``, a softmax runs between them. SDPA's CPU kernel costs several times that
+        at one query, and more with two threads. q and k are rotated in one call, the
+        norms are ``F.rms_norm`` (on float32 the same values as HF's RMSNorm, in one
+        call), and when packed the residual additions are the o and down products'
+        post-op.
+        """
+        rows, width = h.shape
+        kv_heads = self.keys[0].shape[1]
+        q_heads = kv_heads * self.groups
+        cos, sin = self.cos[:, :, t], self.sin[:, :, t]  # [R, 1, D], one row per head
+        bias = self.key_bias[:, :, : t + 1]
+        for layer, fused, keys, values in zip(self.layers, self.fused, self.keys, self.values):
+            a = F.rms_norm(h, (width,), layer.norm1, layer.eps1)
+            heads = fused.qkv.joined(a).view(rows, -1, self.head_dim)
+            qk = rotate(heads[:, : q_heads + kv_heads], cos, sin)  # q and k in one call
+            keys[:, :, t] = qk[:, q_heads:]
+            values[:, :, t] = heads[:, q_heads + kv_heads:]
+            q = qk[:, :q_heads].reshape(rows * kv_heads, self.groups, self.head_dim)
+            k_all = keys[:, :, : t + 1].reshape(rows * kv_heads, t + 1, self.head_dim)
+            v_all = values[:, :, : t + 1].reshape(rows * kv_heads, t + 1, self.head_dim)
+            scores = torch.baddbmm(bias, q, k_all.transpose(1, 2), alpha=self.scale)
+            h = fused.o.add_to(torch.bmm(scores.softmax(-1), v_all).view(rows, -1), h)
+            gate, up = fused.gate_up(F.rms_norm(h, (width,), layer.norm2, layer.eps2))
+            h = fused.down.add_to(F.silu(gate) * up, h)
         return h
 
     def _attention(

@@ -89,6 +89,31 @@ def test_prefill_and_steps_equal_the_hf_forward(arch: str, pack: bool) -> None:
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"position {t}: {m}")
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_one_query_step_equals_the_general_step(arch: str) -> None:
+    """On a CPU in float32 a step runs ``_one_query`` (batched products for the attention,
+    the residuals as post-ops); elsewhere (a GPU, bf16, autocast) it runs the general
+    ``_forward`` with SDPA. Both over the same padded rows and tokens, the general one
+    forced by dropping the key mask the one-query step reads. Tolerance 1e-5 as in the HF
+    comparison above: the same dot products in another order; a wrong key mask, rotary
+    position or head grouping moves the logits by ~0.1."""
+    model = build(CONFIGS[arch]())
+    ids, mask = padded_batch(seed=5)
+    new = torch.randint(4, 64, (3, STEPS), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        fast = LeanDecoder(model, max_new_tokens=STEPS + 1)
+        general = LeanDecoder(model, max_new_tokens=STEPS + 1)
+        fast.prefill(ids, mask, repeats=2)
+        general.prefill(ids, mask, repeats=2)
+        assert fast.key_bias is not None
+        general.key_bias = None
+        for t in range(STEPS):
+            tokens = new[:, t].repeat_interleave(2)
+            got, want = fast.step(tokens), general.step(tokens)
+            assert want.abs().max() > 0.1
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"step {t}: {m}")
+
+
 def test_decoder_reads_the_live_parameters() -> None:
     """An in-place weight update (what the optimizer does) made after the decoder is built
     is seen: its prefill reads the parameters."""
