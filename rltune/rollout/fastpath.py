@@ -275,8 +275,8 @@ class LeanDecoder:
         group of query heads as its rows: the first (``baddbmm``) adds the padded keys'
         ``-inf``, a softmax runs between them. SDPA's CPU kernel costs several times that
         at one query, and more with two threads. q and k are rotated in one call, the
-        norms are ``F.rms_norm`` (on float32 the same values as HF's RMSNorm, in one
-        call), and when packed the residual additions are the o and down products'
+        norms are ``F.rms_norm`` (HF's float32 RMSNorm arithmetic in one call from
+        Python), and when packed the residual additions are the o and down products'
         post-op.
         """
         rows, width = h.shape
