@@ -102,8 +102,9 @@ class AlgoConfig(_Section):
     """GRPO divides by the group's reward std; ``none`` is Dr.GRPO."""
     adv_eps: float = Field(1e-6, gt=0)
     """Added to the group's reward std before dividing (``adv_scale: std``). TRL's GRPO
-    trainer adds 1e-4; the two give the same update wherever the gradient norm is clipped
-    (the clip removes the common factor), and differ by ``eps / std`` otherwise."""
+    trainer adds 1e-4. Another ``eps`` scales a group's advantages by about
+    ``1 - Δeps / std``: with one group per batch and the gradient norm clipped, the clip
+    removes that factor; otherwise the update differs by it."""
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     """Upper clip of the ratio; above ``clip_low`` is DAPO's clip-higher."""
