@@ -21,13 +21,27 @@ the model's live parameters (passed in at each call, so optimizer updates are se
 masked slots hold zeros, never garbage, so that ``0 × value`` in the attention sum stays
 0. Only the order of float reductions may differ from eager.
 
-Where it pays is measured in ``docs/performance.md`` (on a 2-core CPU it does not: the
-decode of a small model is bound by its matmuls, which compilation leaves to the same
-BLAS; hence ``rollout.compile: false`` by default).
+On a CPU in float32 (where the eager decoder runs its one-query step on oneDNN-packed
+weights) the compiled step is :func:`packed_step`: that eager step's arithmetic (the
+packed products with the residual added as their post-op, the attention as ``baddbmm``,
+softmax, ``bmm`` with an additive key mask) over the static cache, compiled with
+inductor's C++ wrapper, so a whole step is one native call: the fused norms, rotary and
+softmax loops and the packed products run without a Python call between them. Inductor
+lowers oneDNN's packed products only for weights frozen into a graph as constants (its
+CPU freezing); here the packed weights are graph inputs, re-packed from the live
+parameters at every generation, so while the step compiles they are lowered as plain
+calls of the same kernel (:func:`_lower_packed_products_as_calls`).
+
+Where it pays is measured in ``docs/performance.md``. On a 2-core CPU the packed step
+cuts a small model's decode by a third at 3 M parameters and by a tenth at 25 M, after a
+first compile of 10-20 s (inductor caches it on disk for later runs); it needs a C++
+compiler, as inductor's CPU backend always does. ``rollout.compile`` stays ``false`` by
+default: a short run does not recover the compile.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -55,6 +69,55 @@ def compiled_step_fn(mode: str | None) -> Callable[..., torch.Tensor]:
     if mode not in _COMPILED:
         _COMPILED[mode] = torch.compile(static_step, dynamic=False, mode=mode)
     return _COMPILED[mode]
+
+
+def compiled_packed_fn() -> Callable[..., torch.Tensor]:
+    """The process's one compiled :func:`packed_step`: inductor's CPU backend with its C++
+    wrapper (one native call a step), the packed products lowered as kernel calls."""
+    if "packed" not in _COMPILED:
+        _register_binary_fake()
+        _lower_packed_products_as_calls()
+        _COMPILED["packed"] = torch.compile(packed_step, dynamic=False, options={"cpp_wrapper": True})
+    return _COMPILED["packed"]
+
+
+def _lower_packed_products_as_calls() -> None:
+    """Make inductor lower oneDNN's packed products (``mkldnn::_linear_pointwise`` and its
+    ``binary`` form) as calls of their kernel (fallback kernels), for this process.
+
+    Inductor's own lowering of them serves its CPU freezing, where the packed weight is a
+    constant folded into the graph, and asserts that it is one; :func:`packed_step` takes
+    the packed weights as inputs instead. The replacement calls the same kernel; what a
+    frozen graph compiled later in this process loses is only max-autotune's choice of a
+    generated GEMM for these products (rltune itself never freezes a graph). Swapping the
+    table only around this step's calls would leave it wrong for another thread compiling
+    at the same time, so it is replaced once, under a lock."""
+    from torch._inductor import lowering
+
+    with _LOWERING_LOCK:
+        for op in _PACKED_PRODUCTS:
+            if op not in _AS_CALLS:
+                lowering.lowerings.pop(op, None)
+                lowering.make_fallback(op, warn=False)
+                _AS_CALLS.add(op)
+
+
+_PACKED_PRODUCTS = (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary)
+_LOWERING_LOCK = threading.Lock()
+_AS_CALLS: set[Any] = set()
+
+
+def _register_binary_fake() -> None:
+    """A shape function (fake kernel) for ``mkldnn::_linear_pointwise.binary``, which torch
+    lacks (the unary form has one): its output has the shape of the added tensor."""
+    name = "mkldnn::_linear_pointwise.binary"
+    if name in _FAKES or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+    torch.library.register_fake(name)(lambda x, other, w, b, attr: torch.empty_like(other))
+    _FAKES.add(name)
+
+
+_FAKES: set[str] = set()
 
 
 def static_step(
@@ -91,6 +154,44 @@ def static_step(
     return F.linear(rms_norm(h[:, -1], norm, eps), lm_head)
 
 
+def packed_step(
+    tokens: torch.Tensor, slot: torch.Tensor, embed: torch.Tensor, layers: tuple[tuple[Any, ...], ...],
+    head: tuple[torch.Tensor, float, torch.Tensor], caches: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float, int],
+) -> torch.Tensor:
+    """:func:`static_step` on a CPU in float32, in the form of the eager one-query step
+    (``LeanDecoder._one_query``): ``layers`` per layer ``(norm1, eps1, qkv, qkv_bias, o,
+    o_bias, norm2, eps2, gate_up, down)``, the fused weights packed by oneDNN;
+    ``tables``: ``(key_bias [R kv_heads, 1, S], cos, sin [R, 1, S, D])``, the bias 0 at
+    a valid or later slot and ``-inf`` at a padded prompt slot; ``shape``: ``(head_dim,
+    query groups per kv head, attention scale, kv heads)``. Slots after ``slot`` get
+    ``-inf`` here."""
+    key_bias, cos_all, sin_all = tables
+    head_dim, groups, scale, kv_heads = shape
+    rows, width = tokens.shape[0], embed.shape[1]
+    q_heads = kv_heads * groups
+    slots = key_bias.shape[-1]
+    index = slot.view(1)
+    cos, sin = cos_all.index_select(2, index)[:, :, 0], sin_all.index_select(2, index)[:, :, 0]
+    bias = key_bias + torch.where(torch.arange(slots, device=slot.device) <= slot, 0.0, float("-inf"))
+    linear, linear_add = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._linear_pointwise.binary
+    h = F.embedding(tokens, embed)
+    for (norm1, eps1, qkv, qkv_bias, o, o_bias, norm2, eps2, gate_up, down), (keys, values) in zip(layers, caches):
+        a = F.rms_norm(h, (width,), norm1, eps1)
+        heads = linear(a, qkv, qkv_bias, "none", [], "").view(rows, -1, head_dim)
+        qk = rotate(heads[:, : q_heads + kv_heads], cos, sin)  # q and k in one call
+        keys.index_copy_(2, index, qk[:, q_heads:].unsqueeze(2))
+        values.index_copy_(2, index, heads[:, q_heads + kv_heads:].unsqueeze(2))
+        q = qk[:, :q_heads].reshape(rows * kv_heads, groups, head_dim)
+        scores = torch.baddbmm(bias, q, keys.view(rows * kv_heads, slots, head_dim).transpose(1, 2), alpha=scale)
+        out = torch.bmm(scores.softmax(-1), values.view(rows * kv_heads, slots, head_dim)).view(rows, -1)
+        h = linear_add(out, h, o, o_bias, "add")
+        gate, up = linear(F.rms_norm(h, (width,), norm2, eps2), gate_up, None, "none", [], "").chunk(2, dim=-1)
+        h = linear_add(F.silu(gate) * up, h, down, None, "add")
+    norm, eps, lm_head = head
+    return F.linear(F.rms_norm(h, (width,), norm, eps), lm_head)
+
+
 class CompiledStep:
     """The static buffers and the compiled step of one generator (see the module
     docstring). :meth:`begin` takes over a :class:`LeanDecoder`'s prefilled state,
@@ -109,8 +210,9 @@ class CompiledStep:
         keys = decoder.keys[0]
         rows, kv_heads, length, head_dim = keys.shape
         total = -(-length // BUCKET) * BUCKET
+        packed = _packed(decoder)
         key = (rows, kv_heads, total, head_dim, len(decoder.keys), keys.dtype, keys.device,
-               decoder.cos.dtype)
+               decoder.cos.dtype, packed)
         if key != self._key:
             self._allocate(key)
         prompt = decoder._t
@@ -118,22 +220,28 @@ class CompiledStep:
             for buf, src in ((k_buf, k), (v_buf, v)):
                 buf[:, :, :prompt].copy_(src[:, :, :prompt])
                 buf[:, :, prompt:].zero_()
-        valid, cos, sin = self.tables
-        valid.zero_()
-        valid[:, :length].copy_(decoder.valid)
+        keep, cos, sin = self.tables
+        if packed:  # the additive key bias, one row per (row, kv head): -inf at padded prompt slots
+            keep.zero_()
+            keep[:, 0, :length].masked_fill_((~decoder.valid).repeat_interleave(kv_heads, 0), float("-inf"))
+        else:
+            keep.zero_()
+            keep[:, :length].copy_(decoder.valid)
         cos[:, :, :length].copy_(decoder.cos)
         sin[:, :, :length].copy_(decoder.sin)
 
     def _allocate(self, key: tuple) -> None:
-        rows, kv_heads, total, head_dim, layers, dtype, device, table_dtype = key
+        rows, kv_heads, total, head_dim, layers, dtype, device, table_dtype, packed = key
         shape = (rows, kv_heads, total, head_dim)
         self.caches = tuple(
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(layers)
         )
         table = (rows, 1, total, head_dim)
+        keep = (torch.zeros((rows * kv_heads, 1, total), dtype=dtype, device=device) if packed
+                else torch.zeros((rows, total), dtype=torch.bool, device=device))
         self.tables = (
-            torch.zeros((rows, total), dtype=torch.bool, device=device),
+            keep,
             torch.zeros(table, dtype=table_dtype, device=device),
             torch.zeros(table, dtype=table_dtype, device=device),
         )
@@ -145,6 +253,15 @@ class CompiledStep:
     def step(self, decoder: "LeanDecoder", tokens: torch.Tensor) -> torch.Tensor:
         """The next logits ``[R, V]`` after ``tokens [R]`` at ``decoder``'s current slot."""
         self.slot.fill_(decoder._t)
+        if _packed(decoder):
+            packed = tuple(
+                (l.norm1, l.eps1, f.qkv.linears[0].weight, f.qkv.linears[0].bias, f.o.weight, f.o.bias,
+                 l.norm2, l.eps2, f.gate_up.linears[0].weight, f.down.weight)
+                for l, f in zip(decoder.layers, decoder.fused)
+            )
+            head = (decoder.norm, decoder.norm_eps, decoder.lm_head)
+            shape = (decoder.head_dim, decoder.groups, decoder.scale, self.caches[0][0].shape[1])
+            return compiled_packed_fn()(tokens, self.slot, decoder.embed, packed, head, self.caches, self.tables, shape)
         layers = tuple(
             (l.norm1, l.eps1, l.q, l.k, l.v, l.o, l.norm2, l.eps2, l.gate, l.up, l.down) for l in decoder.layers
         )
@@ -154,3 +271,9 @@ class CompiledStep:
         logits = compiled_step_fn(mode)(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
         # a CUDA graph's output lives in the graph's memory and the next replay overwrites it
         return logits.clone() if mode == "reduce-overhead" else logits
+
+
+def _packed(decoder: "LeanDecoder") -> bool:
+    """Whether ``decoder``'s generation runs on oneDNN-packed fused weights (a CPU in
+    float32), and so steps with :func:`packed_step`."""
+    return bool(decoder.fused) and decoder.fused[0].o.pack

@@ -208,9 +208,9 @@ class LeanDecoder:
         rows, width = ids.shape
         steps = self.max_new_tokens - 1
         total = width + steps
-        # this generation's weights: the live parameters, fused (the compiled step reads
-        # the parameters itself)
-        pack = (self.pack if self.pack is not None else can_pack(self.embed)) and self.compiled is None
+        # this generation's weights: the live parameters, fused (packed, the compiled step
+        # on a CPU reads them too; otherwise it reads the parameters itself)
+        pack = self.pack if self.pack is not None else can_pack(self.embed)
         # on a CPU the concatenation pays only with packing (measured: without it the
         # fused products are 0-7 % slower than separate ones); elsewhere it saves launches
         fuse = pack or self.embed.device.type != "cpu"

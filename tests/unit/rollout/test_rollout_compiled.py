@@ -32,12 +32,15 @@ def _prompts(tokenizer, texts: list[str]) -> list[Prompt]:
 def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """The static-cache step run eagerly: its arithmetic tested without a compile."""
     monkeypatch.setattr(compiled_module, "compiled_step_fn", lambda mode: compiled_module.static_step)
+    monkeypatch.setattr(compiled_module, "compiled_packed_fn", lambda: compiled_module.packed_step)
 
 
-def test_static_cache_step_equals_the_eager_step(tiny_model, tokenizer, uncompiled: None) -> None:
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
+def test_static_cache_step_equals_the_eager_step(tiny_model, tokenizer, uncompiled: None, pack: bool) -> None:
     """Slots, key mask, rotary phases and the shared-prompt copy of the static cache give
     the eager lean step's logits, over two batches of different prompt widths that
-    reuse the same buffers."""
+    reuse the same buffers: the CPU float32 step on packed weights (``packed_step``,
+    against the eager one-query step) and the general one (``static_step``)."""
     ids = torch.tensor([tokenizer("What is 3 + 4?")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded row
@@ -46,13 +49,15 @@ def test_static_cache_step_equals_the_eager_step(tiny_model, tokenizer, uncompil
     for width in (ids.shape[1], ids.shape[1] - 3):
         cols = slice(ids.shape[1] - width, None)
         with torch.inference_mode():
-            eager, fast = (LeanDecoder(tiny_model, max_new_tokens=STEPS + 1, compiled=c) for c in (None, static))
+            eager, fast = (LeanDecoder(tiny_model, max_new_tokens=STEPS + 1, compiled=c, pack=pack)
+                           for c in (None, static))
             want = [eager.prefill(ids[:, cols], mask[:, cols], repeats=2)] + [eager.step(new[:, t]) for t in range(STEPS)]
             got = [fast.prefill(ids[:, cols], mask[:, cols], repeats=2)] + [fast.step(new[:, t]) for t in range(STEPS)]
         assert want[1].abs().max() > 0.1
         for t, (g, w) in enumerate(zip(got, want)):
             torch.testing.assert_close(g, w, atol=ATOL, rtol=0, msg=lambda m: f"width {width} step {t}: {m}")
     assert static.caches[0][0].shape[2] == BUCKET  # both widths in one bucket: one set of buffers
+    assert static.tables[0].dtype == (torch.float32 if pack else torch.bool)  # the path taken
 
 
 def _compare_generators(tiny_model, tokenizer) -> list:
