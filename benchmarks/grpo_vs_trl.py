@@ -18,6 +18,11 @@ Sides, each in a fresh process, interleaved round by round (see ``trl_common``):
 - ``rltune``: ``algo.name=grpo`` with the same settings.
 - ``trl-plain``: ``trl_plain_grpo.py``, the same TRL run written plainly, no rltune import
   and TRL's own ``train_samples_per_second``: it shows the harness runs TRL at its speed.
+- ``rltune-compiled`` (only with ``--compiled-row``): rltune with ``rollout.compile=true``,
+  the decode step compiled (on a CPU: one native call a step on oneDNN-packed weights,
+  ``rltune/rollout/compiled.py``). The same synchronous algorithm and sampler as
+  ``rltune``, so its ratio counts like ``rltune``'s; the first generate call of each run
+  compiles (10-20 s, inside the warm-up steps, which the median excludes).
 - ``rltune-async`` (only with ``--async-row``): rltune with generation one step ahead of
   the learner (``runtime.max_staleness=1``, ``algo.importance_correction=token-truncate``):
   a producer thread generates batch ``s + 1`` while the learner learns batch ``s``, each on
@@ -36,6 +41,7 @@ the last quarter of the steps (the same number of completions on every side).
     python benchmarks/grpo_vs_trl.py --model 25m --steps 24
     python benchmarks/grpo_vs_trl.py --only rltune         # rltune's side alone, once
     python benchmarks/grpo_vs_trl.py --async-row           # and rltune-async after rltune
+    python benchmarks/grpo_vs_trl.py --compiled-row        # and rltune-compiled after rltune
 
 TRL is the ``bench`` extra (``pip install 'rltune[bench]'``). Two defaults of TRL's that
 differ from the shared settings are set explicitly on its side: ``bf16`` (TRL turns it on
@@ -64,6 +70,11 @@ ASYNC_SIDE = "rltune-async"
 ASYNC_SETS = ("runtime.max_staleness=1", "algo.importance_correction=token-truncate")
 """The ``rltune-async`` side's overrides: generation one step ahead, and the importance
 correction rltune requires for samples of an older policy."""
+COMPILED_SIDE = "rltune-compiled"
+COMPILED_SETS = ("rollout.compile=true",)
+"""The ``rltune-compiled`` side's overrides: the decode step compiled (the same algorithm
+and samples as ``rltune``, which runs the default ``rollout.compile: false``)."""
+EXTRA_SETS = {ASYNC_SIDE: ASYNC_SETS, COMPILED_SIDE: COMPILED_SETS}
 
 
 TRL_ADV_EPS = 1e-4
@@ -150,7 +161,7 @@ def child(args: argparse.Namespace) -> None:
         if args.child == "trl":
             out = run_trl(args, Path(work))
         else:
-            out = run_rltune(args, Path(work), ASYNC_SETS if args.child == ASYNC_SIDE else ())
+            out = run_rltune(args, Path(work), EXTRA_SETS.get(args.child, ()))
     import torch
 
     # what the side ran with, after its own setup; "learner+producer" with a producer thread
@@ -178,11 +189,13 @@ def side_argv(side: str, args: argparse.Namespace, seed: int) -> list[str]:
             *[f"--rltune-set={s}" for s in args.rltune_set]]
 
 
-def sides_of(async_row: bool) -> list[str]:
-    """The sides of one round, in order; ``rltune-async`` right after ``rltune``."""
+def sides_of(async_row: bool, compiled_row: bool = False) -> list[str]:
+    """The sides of one round, in order; ``rltune-compiled`` and ``rltune-async`` right
+    after ``rltune``."""
     sides = list(SIDES)
-    if async_row:
-        sides.insert(sides.index("rltune") + 1, ASYNC_SIDE)
+    extra = [side for side, wanted in ((COMPILED_SIDE, compiled_row), (ASYNC_SIDE, async_row)) if wanted]
+    at = sides.index("rltune") + 1
+    sides[at:at] = extra
     return sides
 
 
@@ -207,8 +220,11 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--async-row", action="store_true",
                         help=f"also run {ASYNC_SIDE}: rltune with generation one step ahead "
                              f"({', '.join(ASYNC_SETS)}), interleaved after rltune")
-    parser.add_argument("--only", choices=(*SIDES, ASYNC_SIDE), help="run one side, --repeats times")
-    parser.add_argument("--child", choices=("rltune", "trl", ASYNC_SIDE), help=argparse.SUPPRESS)
+    parser.add_argument("--compiled-row", action="store_true",
+                        help=f"also run {COMPILED_SIDE}: rltune with rollout.compile=true (the "
+                             "decode step compiled; the same synchronous algorithm)")
+    parser.add_argument("--only", choices=(*SIDES, ASYNC_SIDE, COMPILED_SIDE), help="run one side, --repeats times")
+    parser.add_argument("--child", choices=("rltune", "trl", ASYNC_SIDE, COMPILED_SIDE), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
@@ -228,7 +244,7 @@ def main() -> None:
         args.model_dir = common.prepare(Path(tmp), args.model, files)
         args.prompts = Path(tmp) / "prompts.jsonl"
         env = common.child_env(args.threads)
-        sides = [args.only] if args.only else sides_of(args.async_row)
+        sides = [args.only] if args.only else sides_of(args.async_row, args.compiled_row)
         results = common.interleave(
             sides, args.repeats, lambda s, seed: common.run_child(side_argv(s, args, seed), env, s))
     common.report(results, unit="completions/s", quality="reward, last quarter", target=2.0)

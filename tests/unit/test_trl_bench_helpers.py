@@ -80,6 +80,9 @@ def test_the_async_row_runs_right_after_rltune() -> None:
     assert grpo_vs_trl.sides_of(False) == ["trl", "rltune", "trl-plain"]
     assert grpo_vs_trl.sides_of(True) == ["trl", "rltune", "rltune-async", "trl-plain"]
     assert grpo_vs_trl.ASYNC_SETS == ("runtime.max_staleness=1", "algo.importance_correction=token-truncate")
+    assert grpo_vs_trl.sides_of(True, True) == ["trl", "rltune", "rltune-compiled", "rltune-async", "trl-plain"]
+    assert grpo_vs_trl.sides_of(False, True) == ["trl", "rltune", "rltune-compiled", "trl-plain"]
+    assert grpo_vs_trl.EXTRA_SETS["rltune-compiled"] == ("rollout.compile=true",)
 
 
 def test_the_report_prints_the_async_ratio_apart_from_the_synchronous_one(capsys) -> None:
@@ -94,6 +97,18 @@ def test_the_report_prints_the_async_ratio_apart_from_the_synchronous_one(capsys
     assert "rltune / TRL speed: 1.50x (target 2.0x: NOT met)" in out
     assert "rltune-async / TRL speed: 2.00x, reward 0.450 (generation one step ahead" in out
     assert "the synchronous, same-algorithm ratio is rltune's above" in out
+
+
+def test_the_compiled_row_counts_towards_the_target(capsys) -> None:
+    """rltune-compiled runs the same synchronous algorithm, so its ratio is judged against
+    the target like rltune's, not set apart like the async row's."""
+    results = {"trl": [{"rate": r, "quality": 0.5, "peak_rss_mb": 500.0} for r in (9.0, 10.0, 11.0)],
+               "rltune-compiled": [{"rate": r, "quality": 0.5, "peak_rss_mb": 500.0} for r in (21.0, 20.0, 19.0)]}
+    common.report(results, unit="completions/s", quality="reward", target=2.0)
+    out = capsys.readouterr().out
+    # medians: trl 10, rltune-compiled 20 -> 2.00x, which meets a 2.0x target
+    assert "rltune-compiled / TRL speed: 2.00x (target 2.0x: met), reward 0.500" in out
+    assert "the same algorithm" in out and "ratio is rltune's above" not in out
 
 
 def test_an_extra_side_without_a_note_is_an_error() -> None:
