@@ -12,7 +12,9 @@ under load.
 
 Variants: ``plain`` (``LeanDecoder(pack=False)``: on a CPU one ``F.linear`` per projection),
 ``fused+packed`` (q/k/v and gate/up fused, on oneDNN-packed weights: the CPU float32
-default), and with
+default), with ``--compiled`` ``compiled`` (the same packed weights, each step one call of
+``rollout.compile``'s compiled step over a static cache; its compile happens in the
+warm-up), and with
 ``--baseline FILE`` the ``LeanDecoder`` of another tree's ``fastpath.py``::
 
     git archive OLD rltune/rollout/fastpath.py | tar -x -C /tmp/old
@@ -78,6 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--baseline", type=Path, help="another tree's rltune/rollout/fastpath.py")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="also time rollout.compile's step")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; above 1 the figures are wall-clock time")
     args = parser.parse_args()
@@ -100,6 +103,11 @@ def main() -> None:
     variants["plain"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=False)
     if can_pack(model.lm_head.weight):
         variants["fused+packed"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=True)
+    if args.compiled:
+        from rltune.rollout.compiled import CompiledStep
+
+        static = CompiledStep()  # one set of buffers and one graph for every generation
+        variants["compiled"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, compiled=static)
     with torch.inference_mode():
         for _ in range(2):  # warm-up: allocator, oneDNN primitives
             for make in variants.values():

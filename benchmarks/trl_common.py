@@ -209,10 +209,11 @@ def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
            target: float) -> None:
     """Print each side's medians, the speed ratio, and whether rltune reaches ``target``
     times TRL's speed and at least TRL's learning (``quality``) for the same samples."""
-    print(f"\n{'side':>12} {unit:>14} {'(runs)':>22} {quality:>26} {'peak RSS MB':>12}")
+    width = max(12, *(len(side) for side in results))
+    print(f"\n{'side':>{width}} {unit:>14} {'(runs)':>22} {quality:>26} {'peak RSS MB':>12}")
     for side, res in results.items():
         runs = ", ".join(f"{r['rate']:.1f}" for r in res)
-        print(f"{side:>12} {median_of(res, 'rate'):14.2f} {runs:>22} "
+        print(f"{side:>{width}} {median_of(res, 'rate'):14.2f} {runs:>22} "
               f"{median_of(res, 'quality'):26.3f} {median_of(res, 'peak_rss_mb'):12.0f}")
     if "trl" in results and "trl-plain" in results and "trl_own_rate" in results["trl"][0]:
         own = median_of(results["trl"], "trl_own_rate")
