@@ -217,7 +217,10 @@ class RolloutConfig(_Section):
     the sampled log-probs come from the arithmetic the learner trains with."""
     compile: bool = False
     """``hf`` engine: decode over a static KV cache with the step compiled (``torch.compile``;
-    CUDA graphs on a GPU). See ``docs/performance.md`` for where it pays."""
+    CUDA graphs on a GPU; on a CPU in float32 one native call a step on oneDNN-packed
+    weights, which needs a C++ compiler). The first generate call compiles (about 20 s on a
+    2-core CPU, a few seconds once inductor's on-disk cache holds the graph). See
+    ``docs/performance.md`` for where it pays."""
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the generator when it runs in a producer thread of the
     learner's process (``runtime.mode: local`` with ``runtime.max_staleness > 0``), so that
