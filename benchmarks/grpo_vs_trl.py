@@ -22,7 +22,8 @@ Sides, each in a fresh process, interleaved round by round (see ``trl_common``):
   the decode step compiled (on a CPU: one native call a step on oneDNN-packed weights,
   ``rltune/rollout/compiled.py``). The same synchronous algorithm and sampler as
   ``rltune``, so its ratio counts like ``rltune``'s; the first generate call of each run
-  compiles (10-20 s, inside the warm-up steps, which the median excludes).
+  compiles (about 20 s with an empty inductor cache, inside the warm-up steps, which the
+  median excludes).
 - ``rltune-async`` (only with ``--async-row``): rltune with generation one step ahead of
   the learner (``runtime.max_staleness=1``, ``algo.importance_correction=token-truncate``):
   a producer thread generates batch ``s + 1`` while the learner learns batch ``s``, each on

@@ -230,9 +230,11 @@ def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
     for side in (s for s in results if s.startswith("rltune-") and "trl" in results):
         ratio = median_of(results[side], "rate") / median_of(results["trl"], "rate")
         if side in SAME_ALGORITHM:
+            ours, theirs = median_of(results[side], "quality"), median_of(results["trl"], "quality")
             print(f"{side} / TRL speed: {ratio:.2f}x (target {target:.1f}x: "
-                  f"{'met' if ratio >= target else 'NOT met'}), {quality} "
-                  f"{median_of(results[side], 'quality'):.3f} ({side_note(side)}; the same algorithm)")
+                  f"{'met' if ratio >= target else 'NOT met'}), {quality} {ours:.3f} against TRL's "
+                  f"{theirs:.3f} (at least equal: {'yes' if ours >= theirs else 'NO'}; "
+                  f"{side_note(side)}; the same algorithm)")
             continue
         print(f"{side} / TRL speed: {ratio:.2f}x, {quality} {median_of(results[side], 'quality'):.3f} "
               f"({side_note(side)}; the synchronous, same-algorithm ratio is rltune's above)")

@@ -33,10 +33,11 @@ parameters at every generation, so while the step compiles they are lowered as p
 calls of the same kernel (:func:`_lower_packed_products_as_calls`).
 
 Where it pays is measured in ``docs/performance.md``. On a 2-core CPU the packed step
-cuts a small model's decode by a third at 3 M parameters and by a tenth at 25 M, after a
-first compile of 10-20 s (inductor caches it on disk for later runs); it needs a C++
-compiler, as inductor's CPU backend always does. ``rollout.compile`` stays ``false`` by
-default: a short run does not recover the compile.
+cuts a small model's decode by 27 % a token at 3 M parameters and by 14 % at 25 M, after
+a first compile of about 20 s (inductor caches it on disk for later runs; each new
+(rows, bucket) shape compiles again); it needs a C++ compiler, as inductor's CPU backend
+always does. ``rollout.compile`` stays ``false`` by default: a short run does not
+recover the compile.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 BUCKET = 64
 """Cache slots are allocated in multiples of this, so prompts of nearby widths share a graph."""
 
-_COMPILED: dict[str | None, Callable[..., torch.Tensor]] = {}
+_COMPILED: dict[Any, Callable[..., torch.Tensor]] = {}
 
 
 def compile_mode(device: torch.device) -> str | None:
@@ -72,13 +73,18 @@ def compiled_step_fn(mode: str | None) -> Callable[..., torch.Tensor]:
 
 
 def compiled_packed_fn() -> Callable[..., torch.Tensor]:
-    """The process's one compiled :func:`packed_step`: inductor's CPU backend with its C++
-    wrapper (one native call a step), the packed products lowered as kernel calls."""
-    if "packed" not in _COMPILED:
-        _register_binary_fake()
-        _lower_packed_products_as_calls()
-        _COMPILED["packed"] = torch.compile(packed_step, dynamic=False, options={"cpp_wrapper": True})
-    return _COMPILED["packed"]
+    """The process's compiled :func:`packed_step` for this thread's torch thread count:
+    inductor's CPU backend with its C++ wrapper (one native call a step), the packed
+    products lowered as kernel calls. Inductor writes the thread count of the compiling
+    thread into its generated loops, so a generator thread with its own share of the
+    cores (``rollout.threads``) gets its own graph."""
+    key = ("packed", torch.get_num_threads())
+    with _SETUP_LOCK:
+        if key not in _COMPILED:
+            _register_binary_fake()
+            _lower_packed_products_as_calls()
+            _COMPILED[key] = torch.compile(packed_step, dynamic=False, options={"cpp_wrapper": True})
+        return _COMPILED[key]
 
 
 def _lower_packed_products_as_calls() -> None:
@@ -87,33 +93,42 @@ def _lower_packed_products_as_calls() -> None:
 
     Inductor's own lowering of them serves its CPU freezing, where the packed weight is a
     constant folded into the graph, and asserts that it is one; :func:`packed_step` takes
-    the packed weights as inputs instead. The replacement calls the same kernel; what a
-    frozen graph compiled later in this process loses is only max-autotune's choice of a
-    generated GEMM for these products (rltune itself never freezes a graph). Swapping the
-    table only around this step's calls would leave it wrong for another thread compiling
-    at the same time, so it is replaced once, under a lock."""
+    the packed weights as inputs instead. The replacement calls the same kernel with the
+    same arguments. A graph frozen with inductor later in this process would get these
+    calls instead of inductor's lowering, which has not been tested; rltune itself
+    freezes no graph (``train.compile`` does not freeze). Swapping the table only around
+    this step's calls would leave it wrong for another thread compiling at the same
+    time, so it is replaced once, under :data:`_SETUP_LOCK`."""
     from torch._inductor import lowering
 
-    with _LOWERING_LOCK:
-        for op in _PACKED_PRODUCTS:
-            if op not in _AS_CALLS:
-                lowering.lowerings.pop(op, None)
-                lowering.make_fallback(op, warn=False)
-                _AS_CALLS.add(op)
+    for op in _PACKED_PRODUCTS:
+        if op not in _AS_CALLS:
+            lowering.lowerings.pop(op, None)
+            lowering.make_fallback(op, warn=False)
+            _AS_CALLS.add(op)
 
 
 _PACKED_PRODUCTS = (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary)
-_LOWERING_LOCK = threading.Lock()
+_SETUP_LOCK = threading.Lock()
+"""Held while the packed step's compiler set-up runs, so two threads' first calls do not race."""
 _AS_CALLS: set[Any] = set()
 
 
+def linear_add_fake(x: torch.Tensor, other: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                    attr: str) -> torch.Tensor:
+    """The shape of ``mkldnn::_linear_pointwise.binary``'s output: a new contiguous tensor
+    of ``x``'s dtype, ``x``'s leading sizes and ``w``'s output features (as the kernel
+    returns it, and as torch's shape function of the unary form says)."""
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
 def _register_binary_fake() -> None:
-    """A shape function (fake kernel) for ``mkldnn::_linear_pointwise.binary``, which torch
-    lacks (the unary form has one): its output has the shape of the added tensor."""
+    """Register :func:`linear_add_fake` as the shape function (fake kernel) of
+    ``mkldnn::_linear_pointwise.binary``, which torch lacks (the unary form has one)."""
     name = "mkldnn::_linear_pointwise.binary"
     if name in _FAKES or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
         return
-    torch.library.register_fake(name)(lambda x, other, w, b, attr: torch.empty_like(other))
+    torch.library.register_fake(name)(linear_add_fake)
     _FAKES.add(name)
 
 

@@ -111,3 +111,34 @@ def test_compile_is_refused_where_the_lean_step_cannot_run(tiny_model, tokenizer
 def test_compile_with_vllm_is_refused_at_config_time() -> None:
     with pytest.raises(ValueError, match="rollout.compile.*rollout.engine=vllm"):
         load_config(None, ["name=x", "model.path=builtin:tiny", "rollout.engine=vllm", "rollout.compile=true"])
+
+
+def test_the_packed_add_shape_function_matches_the_kernel() -> None:
+    """The shape function given to oneDNN's ``binary`` packed product (which torch lacks)
+    says what the kernel returns: a new contiguous tensor of the input's dtype, shaped by
+    the input's rows and the weight's outputs, whatever the added tensor's strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w = torch.randn(4, 16), torch.randn(24, 16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+    other = torch.randn(24, 4).t()  # [4, 24], not contiguous
+    real = torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, None, "add")
+    torch.testing.assert_close(real, x @ w.t() + other, atol=1e-5, rtol=0)
+    with FakeTensorMode() as mode:
+        fake = compiled_module.linear_add_fake(mode.from_tensor(x), mode.from_tensor(other), mode.from_tensor(w),
+                                               None, "add")
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
+def test_one_compiled_packed_step_per_thread_count() -> None:
+    """Inductor writes the compiling thread's count into its loops, so each thread count
+    gets its own compiled step, and a second call reuses it (nothing compiles until the
+    step is first called)."""
+    threads = torch.get_num_threads()
+    try:
+        first = compiled_module.compiled_packed_fn()
+        assert compiled_module.compiled_packed_fn() is first
+        torch.set_num_threads(threads + 1)
+        assert compiled_module.compiled_packed_fn() is not first
+    finally:
+        torch.set_num_threads(threads)
