@@ -217,6 +217,7 @@ class CompiledStep:
         self.caches: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
         self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.slot: torch.Tensor | None = None
+        self._packed_args: tuple | None = None
 
     def begin(self, decoder: "LeanDecoder") -> None:
         """Copy ``decoder``'s prefilled caches, key mask and rotary tables into the static
@@ -236,14 +237,23 @@ class CompiledStep:
                 buf[:, :, :prompt].copy_(src[:, :, :prompt])
                 buf[:, :, prompt:].zero_()
         keep, cos, sin = self.tables
-        if packed:  # the additive key bias, one row per (row, kv head): -inf at padded prompt slots
-            keep.zero_()
-            keep[:, 0, :length].masked_fill_((~decoder.valid).repeat_interleave(kv_heads, 0), float("-inf"))
+        keep.zero_()
+        if packed:  # the decoder's additive key bias: -inf at padded prompt slots, 0 elsewhere
+            keep[:, :, :length].copy_(decoder.key_bias)
         else:
-            keep.zero_()
             keep[:, :length].copy_(decoder.valid)
         cos[:, :, :length].copy_(decoder.cos)
         sin[:, :, :length].copy_(decoder.sin)
+        # the packed step's weights and sizes, the same for every step of this generation
+        self._packed_args = (
+            tuple(
+                (l.norm1, l.eps1, f.qkv.linears[0].weight, f.qkv.linears[0].bias, f.o.weight, f.o.bias,
+                 l.norm2, l.eps2, f.gate_up.linears[0].weight, f.down.weight)
+                for l, f in zip(decoder.layers, decoder.fused)
+            ),
+            (decoder.norm, decoder.norm_eps, decoder.lm_head),
+            (decoder.head_dim, decoder.groups, decoder.scale, kv_heads),
+        ) if packed else None
 
     def _allocate(self, key: tuple) -> None:
         rows, kv_heads, total, head_dim, layers, dtype, device, table_dtype, packed = key
@@ -268,15 +278,9 @@ class CompiledStep:
     def step(self, decoder: "LeanDecoder", tokens: torch.Tensor) -> torch.Tensor:
         """The next logits ``[R, V]`` after ``tokens [R]`` at ``decoder``'s current slot."""
         self.slot.fill_(decoder._t)
-        if _packed(decoder):
-            packed = tuple(
-                (l.norm1, l.eps1, f.qkv.linears[0].weight, f.qkv.linears[0].bias, f.o.weight, f.o.bias,
-                 l.norm2, l.eps2, f.gate_up.linears[0].weight, f.down.weight)
-                for l, f in zip(decoder.layers, decoder.fused)
-            )
-            head = (decoder.norm, decoder.norm_eps, decoder.lm_head)
-            shape = (decoder.head_dim, decoder.groups, decoder.scale, self.caches[0][0].shape[1])
-            return compiled_packed_fn()(tokens, self.slot, decoder.embed, packed, head, self.caches, self.tables, shape)
+        if self._packed_args is not None:
+            layers, head, shape = self._packed_args
+            return compiled_packed_fn()(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
         layers = tuple(
             (l.norm1, l.eps1, l.q, l.k, l.v, l.o, l.norm2, l.eps2, l.gate, l.up, l.down) for l in decoder.layers
         )

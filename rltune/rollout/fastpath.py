@@ -192,16 +192,17 @@ class LeanDecoder:
             self.valid = self.valid.repeat_interleave(repeats, 0)
             self.cos, self.sin = self.cos.repeat_interleave(repeats, 0), self.sin.repeat_interleave(repeats, 0)
             logits = logits.repeat_interleave(repeats, 0)
-        if self.compiled is not None:
-            self.compiled.begin(self)
-        elif cpu_float32(self.embed):
-            # the one-query step's additive key mask, one row per (row, kv head) as its
-            # batched products lay them out: 0 where a key is valid, -inf where padded
+        if cpu_float32(self.embed):
+            # the one-query step's additive key mask (eager, and the compiled packed step's
+            # table), one row per (row, kv head) as its batched products lay them out: 0
+            # where a key is valid, -inf where padded
             kv_heads = self.keys[0].shape[1]
             bias = torch.zeros(self.valid.shape, dtype=self.embed.dtype, device=self.embed.device)
             self.key_bias = bias.masked_fill_(~self.valid, float("-inf")).repeat_interleave(kv_heads, 0)[:, None]
         else:
             self.key_bias = None
+        if self.compiled is not None:
+            self.compiled.begin(self)
         return logits
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int) -> torch.Tensor:
