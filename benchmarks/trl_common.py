@@ -220,22 +220,17 @@ def report(results: dict[str, list[dict[str, Any]]], *, unit: str, quality: str,
         plain = median_of(results["trl-plain"], "trl_own_rate")
         print(f"\nTRL's own train_samples_per_second: harness {own:.2f}, plain script {plain:.2f}"
               f" (harness / plain = {own / plain:.2f})")
-    if "trl" in results and "rltune" in results:
-        ratio = median_of(results["rltune"], "rate") / median_of(results["trl"], "rate")
-        ours, theirs = median_of(results["rltune"], "quality"), median_of(results["trl"], "quality")
-        print(f"rltune / TRL speed: {ratio:.2f}x (target {target:.1f}x: "
-              f"{'met' if ratio >= target else 'NOT met'})")
-        print(f"{quality} after the same samples: rltune {ours:.3f}, TRL {theirs:.3f} "
-              f"(rltune at least equal: {'yes' if ours >= theirs else 'NO'})")
-    for side in (s for s in results if s.startswith("rltune-") and "trl" in results):
+    judged = [s for s in results if s == "rltune" or s in SAME_ALGORITHM] if "trl" in results else []
+    for side in judged:  # the same algorithm as TRL's: judged against the target
         ratio = median_of(results[side], "rate") / median_of(results["trl"], "rate")
-        if side in SAME_ALGORITHM:
-            ours, theirs = median_of(results[side], "quality"), median_of(results["trl"], "quality")
-            print(f"{side} / TRL speed: {ratio:.2f}x (target {target:.1f}x: "
-                  f"{'met' if ratio >= target else 'NOT met'}), {quality} {ours:.3f} against TRL's "
-                  f"{theirs:.3f} (at least equal: {'yes' if ours >= theirs else 'NO'}; "
-                  f"{side_note(side)}; the same algorithm)")
-            continue
+        ours, theirs = median_of(results[side], "quality"), median_of(results["trl"], "quality")
+        note = f" ({side_note(side)}; the same algorithm)" if side in SAME_ALGORITHM else ""
+        print(f"{side} / TRL speed: {ratio:.2f}x (target {target:.1f}x: "
+              f"{'met' if ratio >= target else 'NOT met'}){note}")
+        print(f"{quality} after the same samples: {side} {ours:.3f}, TRL {theirs:.3f} "
+              f"({side} at least equal: {'yes' if ours >= theirs else 'NO'})")
+    for side in (s for s in results if s.startswith("rltune-") and s not in judged and "trl" in results):
+        ratio = median_of(results[side], "rate") / median_of(results["trl"], "rate")
         print(f"{side} / TRL speed: {ratio:.2f}x, {quality} {median_of(results[side], 'quality'):.3f} "
               f"({side_note(side)}; the synchronous, same-algorithm ratio is rltune's above)")
 

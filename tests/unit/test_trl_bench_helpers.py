@@ -107,8 +107,9 @@ def test_the_compiled_row_counts_towards_the_target(capsys) -> None:
     common.report(results, unit="completions/s", quality="reward", target=2.0)
     out = capsys.readouterr().out
     # medians: trl 10, rltune-compiled 20 -> 2.00x, which meets a 2.0x target
-    assert ("rltune-compiled / TRL speed: 2.00x (target 2.0x: met), reward 0.500 against TRL's 0.500 "
-            "(at least equal: yes") in out
+    assert ("rltune-compiled / TRL speed: 2.00x (target 2.0x: met) (rollout.compile=true: "
+            "the decode step compiled; the same algorithm)") in out
+    assert "reward after the same samples: rltune-compiled 0.500, TRL 0.500 (rltune-compiled at least equal: yes)" in out
     assert "the same algorithm" in out and "ratio is rltune's above" not in out
 
 
