@@ -11,10 +11,11 @@ thrashed cache), hits each alike; separate runs of each variant disagreed by up 
 under load.
 
 Variants: ``plain`` (``LeanDecoder(pack=False)``: on a CPU one ``F.linear`` per projection),
-``fused+packed`` (q/k/v and gate/up fused, on oneDNN-packed weights: the CPU float32
-default), with ``--compiled`` ``compiled`` (the same packed weights, each step one call of
-``rollout.compile``'s compiled step over a static cache; its compile happens in the
-warm-up), and with
+``packed fewrows`` and ``packed onednn`` (q/k/v and gate/up fused, on weights packed for
+the few-row kernel of ``rltune/rollout/fewrows.c``, the CPU float32 default, or for
+oneDNN's product), with ``--compiled`` ``compiled fewrows`` and ``compiled onednn`` (the
+same packed weights, each step one call of ``rollout.compile``'s compiled step over a
+static cache; its compile happens in the warm-up), and with
 ``--baseline FILE`` the ``LeanDecoder`` of another tree's ``fastpath.py``::
 
     git archive OLD rltune/rollout/fastpath.py | tar -x -C /tmp/old
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -90,7 +92,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from rltune.models.tiny import build_tiny
-    from rltune.rollout.fastpath import LeanDecoder, can_pack
+    from rltune.rollout.fastpath import KERNELS, LeanDecoder, can_pack, packed_kernel
 
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny(Path(tmp), **common.SIZES[args.size])
@@ -101,13 +103,16 @@ def main() -> None:
         old = baseline_decoder(args.baseline)
         variants["baseline"] = lambda: old(model, max_new_tokens=NEW_TOKENS)
     variants["plain"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=False)
-    if can_pack(model.lm_head.weight):
-        variants["fused+packed"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=True)
+    kernels = [k for k in KERNELS if _runs(packed_kernel, k)] if can_pack(model.lm_head.weight) else []
+    for kernel in kernels:
+        variants[f"packed {kernel}"] = partial(LeanDecoder, model, max_new_tokens=NEW_TOKENS, pack=True, kernel=kernel)
     if args.compiled:
         from rltune.rollout.compiled import CompiledStep
 
-        static = CompiledStep()  # one set of buffers and one graph for every generation
-        variants["compiled"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, compiled=static)
+        for kernel in kernels or [None]:
+            # one set of buffers and one graph for every generation
+            variants[f"compiled {kernel or ''}".strip()] = partial(
+                LeanDecoder, model, max_new_tokens=NEW_TOKENS, compiled=CompiledStep(), kernel=kernel)
     with torch.inference_mode():
         for _ in range(2):  # warm-up: allocator, oneDNN primitives
             for make in variants.values():
@@ -130,6 +135,15 @@ def main() -> None:
         prefill, step, token = (statistics.median(r[i] for r in res) for i in range(3))
         print(f"  {name:>13}: prefill {prefill * 1e3:6.2f} ms  step {step * 1e6:8.1f} us  "
               f"per token {token * 1e6:8.1f} us", flush=True)
+
+
+def _runs(choose: Callable[[str], str], kernel: str) -> bool:
+    try:
+        choose(kernel)
+    except ValueError as err:
+        print(f"packed {kernel}: not run ({err})")
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -172,24 +172,32 @@ def static_step(
 def packed_step(
     tokens: torch.Tensor, slot: torch.Tensor, embed: torch.Tensor, layers: tuple[tuple[Any, ...], ...],
     head: tuple[torch.Tensor, float, torch.Tensor], caches: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float, int],
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float, int, str],
 ) -> torch.Tensor:
     """:func:`static_step` on a CPU in float32, in the form of the eager one-query step
     (``LeanDecoder._one_query``): ``layers`` per layer ``(norm1, eps1, qkv, qkv_bias, o,
-    o_bias, norm2, eps2, gate_up, down)``, the fused weights packed by oneDNN;
+    o_bias, norm2, eps2, gate_up, down)``, the fused weights packed for ``kernel``;
     ``tables``: ``(key_bias [R kv_heads, 1, S], cos, sin [R, 1, S, D])``, the bias 0 at
     a valid or later slot and ``-inf`` at a padded prompt slot; ``shape``: ``(head_dim,
-    query groups per kv head, attention scale, kv heads)``. Slots after ``slot`` get
-    ``-inf`` here."""
+    query groups per kv head, attention scale, kv heads, kernel)``, the kernel
+    ``"fewrows"`` or ``"onednn"`` (:class:`~rltune.rollout.fastpath._Linear`). Slots after
+    ``slot`` get ``-inf`` here."""
     key_bias, cos_all, sin_all = tables
-    head_dim, groups, scale, kv_heads = shape
+    head_dim, groups, scale, kv_heads, kernel = shape
     rows, width = tokens.shape[0], embed.shape[1]
     q_heads = kv_heads * groups
     slots = key_bias.shape[-1]
     index = slot.view(1)
     cos, sin = cos_all.index_select(2, index)[:, :, 0], sin_all.index_select(2, index)[:, :, 0]
     bias = key_bias + torch.where(torch.arange(slots, device=slot.device) <= slot, 0.0, float("-inf"))
-    linear, linear_add = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._linear_pointwise.binary
+    if kernel == "fewrows":
+        def linear(x, w, b, *_):
+            return torch.ops.rltune.fewrows_linear(x, w, b)
+
+        def linear_add(x, residual, w, b, _):
+            return torch.ops.rltune.fewrows_linear(x, w, b, residual)
+    else:
+        linear, linear_add = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._linear_pointwise.binary
     h = F.embedding(tokens, embed)
     for (norm1, eps1, qkv, qkv_bias, o, o_bias, norm2, eps2, gate_up, down), (keys, values) in zip(layers, caches):
         a = F.rms_norm(h, (width,), norm1, eps1)
@@ -226,7 +234,7 @@ class CompiledStep:
         keys = decoder.keys[0]
         rows, kv_heads, length, head_dim = keys.shape
         total = -(-length // BUCKET) * BUCKET
-        packed = _packed(decoder)
+        packed = _packed_kernel(decoder)
         key = (rows, kv_heads, total, head_dim, len(decoder.keys), keys.dtype, keys.device,
                decoder.cos.dtype, packed)
         if key != self._key:
@@ -252,7 +260,7 @@ class CompiledStep:
                 for l, f in zip(decoder.layers, decoder.fused)
             ),
             (decoder.norm, decoder.norm_eps, decoder.lm_head),
-            (decoder.head_dim, decoder.groups, decoder.scale, kv_heads),
+            (decoder.head_dim, decoder.groups, decoder.scale, kv_heads, packed),
         ) if packed else None
 
     def _allocate(self, key: tuple) -> None:
@@ -292,7 +300,7 @@ class CompiledStep:
         return logits.clone() if mode == "reduce-overhead" else logits
 
 
-def _packed(decoder: "LeanDecoder") -> bool:
-    """Whether ``decoder``'s generation runs on oneDNN-packed fused weights (a CPU in
-    float32), and so steps with :func:`packed_step`."""
-    return bool(decoder.fused) and decoder.fused[0].o.pack
+def _packed_kernel(decoder: "LeanDecoder") -> str | None:
+    """The packed product ``decoder``'s generation runs on (a CPU in float32), which then
+    steps with :func:`packed_step`; None when its weights are not packed."""
+    return decoder.fused[0].o.kernel if decoder.fused else None

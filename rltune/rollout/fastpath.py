@@ -42,6 +42,7 @@ torch 2.13). A weight changed between two steps of one generation is not seen.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,29 +51,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from rltune.models.dense_layout import LayerTensors, layer_tensors, rms_norm, rotate, supports_fastpath
+from rltune.rollout import fewrows
 
 if TYPE_CHECKING:
     from rltune.rollout.compiled import CompiledStep
 
+log = logging.getLogger(__name__)
+
 
 class _Linear:
-    """``y = x Wᵀ + b`` on a weight fixed for one generation: plain, or reordered once into
-    oneDNN's blocked layout for ``rows`` rows (``pack``)."""
+    """``y = x Wᵀ + b`` on a weight fixed for one generation: plain (``kernel`` None), or
+    stored once in a packed layout for the few-row product: the kernel of
+    :mod:`rltune.rollout.fewrows` (``"fewrows"``) or oneDNN's blocked layout for ``rows``
+    rows (``"onednn"``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, kernel: str | None, rows: int) -> None:
         self.bias = bias
-        self.pack = pack
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if pack else weight
+        self.kernel = kernel
+        if kernel == "fewrows":
+            self.weight = fewrows.pack(weight)
+        elif kernel == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        else:
+            self.weight = weight
+
+    @property
+    def pack(self) -> bool:
+        return self.kernel is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pack:
+        if self.kernel == "fewrows":
+            return fewrows.linear(x, self.weight, self.bias)
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + (x Wᵀ + b)``; packed, the sum is the product's oneDNN post-op
-        (one call, the same float32 addition)."""
-        if self.pack:
+        """``residual + (x Wᵀ + b)``; packed, the sum is done by the product's kernel as it
+        stores the output (one call, the same float32 addition)."""
+        if self.kernel == "fewrows":
+            return fewrows.linear(x, self.weight, self.bias, residual)
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         return residual + F.linear(x, self.weight, self.bias)
 
@@ -81,15 +100,15 @@ class _Projections:
     """Several projections of one input: one product on their concatenated weights whose
     output columns are split (``fuse``), or one product each."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None]], *, fuse: bool, pack: bool,
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None]], *, fuse: bool, kernel: str | None,
                  rows: int) -> None:
         if fuse:
             biases = [b for _, b in pairs]
             bias = None if biases[0] is None else torch.cat(biases)
-            self.linears = [_Linear(torch.cat([w for w, _ in pairs]), bias, pack=pack, rows=rows)]
+            self.linears = [_Linear(torch.cat([w for w, _ in pairs]), bias, kernel=kernel, rows=rows)]
             self.split: list[int] | None = [w.shape[0] for w, _ in pairs]
         else:
-            self.linears = [_Linear(w, b, pack=pack, rows=rows) for w, b in pairs]
+            self.linears = [_Linear(w, b, kernel=kernel, rows=rows) for w, b in pairs]
             self.split = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -115,14 +134,14 @@ class _Fused:
     down: _Linear
 
 
-def _fuse(layer: LayerTensors, *, fuse: bool, pack: bool, rows: int) -> _Fused:
+def _fuse(layer: LayerTensors, *, fuse: bool, kernel: str | None, rows: int) -> _Fused:
     """``layer``'s live weights for one generation: q/k/v and gate/up concatenated when
-    ``fuse``, each matrix packed when ``pack``."""
+    ``fuse``, each matrix packed for ``kernel`` (see :class:`_Linear`)."""
     return _Fused(
-        qkv=_Projections([layer.q, layer.k, layer.v], fuse=fuse, pack=pack, rows=rows),
-        o=_Linear(*layer.o, pack=pack, rows=rows),
-        gate_up=_Projections([(layer.gate, None), (layer.up, None)], fuse=fuse, pack=pack, rows=rows),
-        down=_Linear(layer.down, None, pack=pack, rows=rows),
+        qkv=_Projections([layer.q, layer.k, layer.v], fuse=fuse, kernel=kernel, rows=rows),
+        o=_Linear(*layer.o, kernel=kernel, rows=rows),
+        gate_up=_Projections([(layer.gate, None), (layer.up, None)], fuse=fuse, kernel=kernel, rows=rows),
+        down=_Linear(layer.down, None, kernel=kernel, rows=rows),
     )
 
 
@@ -133,9 +152,38 @@ def cpu_float32(weight: torch.Tensor) -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether the oneDNN packed product applies: a float32 CPU weight, oneDNN built in,
-    and no CPU autocast (which would otherwise run the products in its own dtype)."""
-    return cpu_float32(weight) and torch.backends.mkldnn.is_available()
+    """Whether a packed product applies: a float32 CPU weight without CPU autocast (which
+    would otherwise run the products in its own dtype), and a packed kernel that runs here
+    (:mod:`rltune.rollout.fewrows`, or oneDNN built into torch)."""
+    return cpu_float32(weight) and (torch.backends.mkldnn.is_available() or fewrows.unavailable() is None)
+
+
+KERNELS = ("fewrows", "onednn")
+"""The packed products, in order of preference (see :class:`_Linear`)."""
+
+
+def packed_kernel(requested: str | None = None) -> str:
+    """The packed product to run: ``requested``, or the first of :data:`KERNELS` that runs
+    here (fewrows unless it cannot be built, which is logged once). A requested kernel
+    that cannot run is an error naming why."""
+    if requested not in (None, *KERNELS):
+        raise ValueError(f"unknown packed kernel {requested!r}; expected one of {KERNELS}")
+    reason = fewrows.unavailable() if requested in (None, "fewrows") else None
+    if requested == "fewrows" and reason:
+        raise ValueError(f"the fewrows kernel cannot run here: {reason}")
+    if requested == "onednn" or reason:
+        if not torch.backends.mkldnn.is_available():
+            raise ValueError("oneDNN is not built into this torch"
+                             + (f", and the fewrows kernel cannot run here: {reason}" if reason else ""))
+        if reason and not _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.append(reason)
+            log.warning("the decoder's products use oneDNN's packed kernel: the fewrows kernel cannot "
+                        "run here (%s)", reason)
+        return "onednn"
+    return "fewrows"
+
+
+_FALLBACK_LOGGED: list[str] = []
 
 
 class LeanDecoder:
@@ -148,12 +196,14 @@ class LeanDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, *, max_new_tokens: int,
-                 compiled: "CompiledStep | None" = None, pack: bool | None = None) -> None:
+                 compiled: "CompiledStep | None" = None, pack: bool | None = None,
+                 kernel: str | None = None) -> None:
         """``compiled``: take the steps with that compiled step over its static cache
         (``rollout.compile``, :mod:`rltune.rollout.compiled`) instead of eagerly.
-        ``pack``: run the fused projections on oneDNN-packed weights (see the module
+        ``pack``: run the fused projections on packed weights (see the module
         docstring); None: where :func:`can_pack` allows; True where it does not is an
-        error."""
+        error. ``kernel``: the packed product (:func:`packed_kernel`; None: the fastest
+        that runs here)."""
         if not supports_fastpath(model):
             raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
         if max_new_tokens < 1:
@@ -170,11 +220,13 @@ class LeanDecoder:
         self.groups = attn.num_key_value_groups
         self.scale = attn.scaling
         self.compiled = compiled
-        if pack and not can_pack(self.embed):
-            raise ValueError("LeanDecoder(pack=True) needs float32 weights on the CPU, oneDNN "
-                             f"and no CPU autocast; got {self.embed.dtype} on {self.embed.device}, "
-                             f"oneDNN {torch.backends.mkldnn.is_available()}, "
+        if pack and not cpu_float32(self.embed):
+            raise ValueError("LeanDecoder(pack=True) needs float32 weights on the CPU and no CPU "
+                             f"autocast; got {self.embed.dtype} on {self.embed.device}, "
                              f"autocast {torch.is_autocast_enabled('cpu')}")
+        if kernel is not None and pack is False:
+            raise ValueError(f"LeanDecoder(kernel={kernel!r}) names a packed product, but pack=False")
+        self.kernel = packed_kernel(kernel) if pack or kernel is not None else None
         self.pack = pack
         self.fused: list[_Fused] = []
         self.key_bias: torch.Tensor | None = None
@@ -212,10 +264,11 @@ class LeanDecoder:
         # this generation's weights: the live parameters, fused (packed, the compiled step
         # on a CPU reads them too; otherwise it reads the parameters itself)
         pack = self.pack if self.pack is not None else can_pack(self.embed)
+        kernel = (self.kernel or packed_kernel()) if pack else None
         # on a CPU the concatenation pays only with packing (measured: without it the
         # fused products are 0-7 % slower than separate ones); elsewhere it saves launches
         fuse = pack or self.embed.device.type != "cpu"
-        self.fused = [_fuse(layer, fuse=fuse, pack=pack, rows=rows * repeats) for layer in self.layers]
+        self.fused = [_fuse(layer, fuse=fuse, kernel=kernel, rows=rows * repeats) for layer in self.layers]
         x = F.embedding(ids, self.embed)
         kv_heads = self.layers[0].k[0].shape[0] // self.head_dim
         shape = (rows, kv_heads, total, self.head_dim)

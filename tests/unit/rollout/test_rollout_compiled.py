@@ -35,12 +35,17 @@ def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled_module, "compiled_packed_fn", lambda: compiled_module.packed_step)
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
-def test_static_cache_step_equals_the_eager_step(tiny_model, tokenizer, uncompiled: None, pack: bool) -> None:
+@pytest.mark.parametrize("kernel", ["fewrows", "onednn", None], ids=lambda k: k or "plain")
+def test_static_cache_step_equals_the_eager_step(tiny_model, tokenizer, uncompiled: None, kernel: str | None,
+                                                 require_fewrows) -> None:
     """Slots, key mask, rotary phases and the shared-prompt copy of the static cache give
     the eager lean step's logits, over two batches of different prompt widths that
-    reuse the same buffers: the CPU float32 step on packed weights (``packed_step``,
-    against the eager one-query step) and the general one (``static_step``)."""
+    reuse the same buffers: the CPU float32 step on weights packed for either kernel
+    (``packed_step``, against the eager one-query step) and the general one
+    (``static_step``)."""
+    if kernel == "fewrows":
+        require_fewrows()
+    pack = kernel is not None
     ids = torch.tensor([tokenizer("What is 3 + 4?")["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded row
@@ -49,7 +54,7 @@ def test_static_cache_step_equals_the_eager_step(tiny_model, tokenizer, uncompil
     for width in (ids.shape[1], ids.shape[1] - 3):
         cols = slice(ids.shape[1] - width, None)
         with torch.inference_mode():
-            eager, fast = (LeanDecoder(tiny_model, max_new_tokens=STEPS + 1, compiled=c, pack=pack)
+            eager, fast = (LeanDecoder(tiny_model, max_new_tokens=STEPS + 1, compiled=c, pack=pack, kernel=kernel)
                            for c in (None, static))
             want = [eager.prefill(ids[:, cols], mask[:, cols], repeats=2)] + [eager.step(new[:, t]) for t in range(STEPS)]
             got = [fast.prefill(ids[:, cols], mask[:, cols], repeats=2)] + [fast.step(new[:, t]) for t in range(STEPS)]

@@ -3,6 +3,7 @@ the lean path on and off."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -60,17 +61,26 @@ def hf_last_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
 
 
-PACK = [False, pytest.param(True, marks=pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="oneDNN not built in"))]
+# the products: plain F.linear, or one of the packed kernels (rltune.rollout.fastpath.KERNELS)
+KERNELS = [None, pytest.param("onednn", marks=pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")), "fewrows"]
 
 
-@pytest.mark.parametrize("pack", PACK, ids=lambda p: "packed" if p else "plain")
+def decoder_for(model: torch.nn.Module, kernel: str | None, require: Callable[[], None], **kw: Any) -> LeanDecoder:
+    """A decoder on ``kernel``'s products (None: unpacked); ``require``: the
+    ``require_fewrows`` fixture."""
+    if kernel == "fewrows":
+        require()
+    return LeanDecoder(model, pack=kernel is not None, kernel=kernel, **kw)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k or "plain")
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_prefill_and_steps_equal_the_hf_forward(arch: str, pack: bool) -> None:
-    """The lean decoder's fused projections (q/k/v in one product, gate/up in one; oneDNN
-    packed or plain) against HF's separate ones. Tolerance 1e-5 absolute: the same dot
-    products of at most 48 float32 terms, summed in another order (by the kernel's
-    blocking, and oneDNN's layout when packed): each differs by a few ulps of its terms'
+def test_prefill_and_steps_equal_the_hf_forward(arch: str, kernel: str | None, require_fewrows) -> None:
+    """The lean decoder's fused projections (q/k/v in one product, gate/up in one; packed
+    for oneDNN or the fewrows kernel, or plain) against HF's separate ones. Tolerance 1e-5
+    absolute: the same dot products of at most 48 float32 terms, summed in another order
+    (by the kernel's blocking and layout): each differs by a few ulps of its terms'
     magnitude (~1e-7 here), and two layers and the head carry that to the O(1) logits
     as ~1e-6 (measured: 0 plain, <= 1e-6 packed); a misplaced column of a fused matrix
     moves them by ~0.1."""
@@ -79,7 +89,7 @@ def test_prefill_and_steps_equal_the_hf_forward(arch: str, pack: bool) -> None:
     ids, mask = padded_batch(seed=1)
     new = torch.randint(4, 64, (3, STEPS), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        decoder = LeanDecoder(model, max_new_tokens=STEPS + 1, pack=pack)
+        decoder = decoder_for(model, kernel, require_fewrows, max_new_tokens=STEPS + 1)
         got = [decoder.prefill(ids, mask)] + [decoder.step(new[:, t]) for t in range(STEPS)]
         full_ids = torch.cat([ids, new], dim=1)
         full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
@@ -126,14 +136,14 @@ def test_decoder_reads_the_live_parameters() -> None:
         torch.testing.assert_close(got, hf_last_logits(model, ids, mask), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("pack", PACK, ids=lambda p: "packed" if p else "plain")
-def test_an_optimizer_step_between_generations_is_seen(pack: bool) -> None:
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k or "plain")
+def test_an_optimizer_step_between_generations_is_seen(kernel: str | None, require_fewrows) -> None:
     """The fused weights are rebuilt at every prefill: after a fused AdamW step (which does
     not bump the parameters' version counters) the next generation runs the new weights.
     Tolerance 1e-5 as in the HF comparison above."""
     model = build(CONFIGS["qwen2"]())
     ids, mask = padded_batch(seed=8)
-    decoder = LeanDecoder(model, max_new_tokens=1, pack=pack)
+    decoder = decoder_for(model, kernel, require_fewrows, max_new_tokens=1)
     with torch.inference_mode():
         before = decoder.prefill(ids, mask)
     model.train()
@@ -159,8 +169,8 @@ def test_fused_projections_equal_separate_ones(bias: bool) -> None:
     pairs = [(torch.randn(n, 32, generator=gen) / 32**0.5, torch.randn(n, generator=gen) if bias else None)
              for n in (16, 8, 8)]
     x = torch.randn(8, 1, 32, generator=gen)
-    fused = _Projections(pairs, fuse=True, pack=False, rows=8)(x)
-    separate = _Projections(pairs, fuse=False, pack=False, rows=8)(x)
+    fused = _Projections(pairs, fuse=True, kernel=None, rows=8)(x)
+    separate = _Projections(pairs, fuse=False, kernel=None, rows=8)(x)
     assert [t.shape[-1] for t in fused] == [16, 8, 8]
     for f, s, (w, b) in zip(fused, separate, pairs):
         torch.testing.assert_close(f, s, atol=1e-6, rtol=0)

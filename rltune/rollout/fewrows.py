@@ -1,0 +1,185 @@
+"""A float32 matrix product for the few rows of a CPU decode step (``fewrows.cpp``).
+
+A decode step multiplies the batch's few rows (8 for a GRPO group) by every weight of the
+model, reading each weight once for two flops per row: its speed is how fast the weights
+stream from memory. oneDNN's and MKL's kernels are tuned for many rows; for 8 they read
+the weights well below the machine's bandwidth (``docs/performance.md``). ``fewrows.cpp``
+streams a weight stored once per generation as contiguous panels of output columns and
+applies every loaded weight vector to all rows at once, on torch's own threads.
+
+The C++ source ships with the package and is compiled on first use with the C++
+compiler (``$CXX``, else ``c++``) against the running torch's headers and libraries
+(:mod:`torch.utils.cpp_extension`'s paths), for the CPU it runs on (``-march=native``),
+linked against the OpenMP runtime torch loaded, in about 10 s; the library is cached under ``$RLTUNE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/rltune``, else ``~/.cache/rltune``), keyed by the source, the
+compiler, the CPU's feature flags and the torch version, so a cache shared by different
+machines never hands one the other's build. It registers two torch operators,
+``rltune::fewrows_pack`` and ``rltune::fewrows_linear`` (so a compiled graph calls the
+kernel with no Python between), with shape functions for the compiler.
+
+Where it cannot be built (no compiler, a failed compile) :func:`unavailable` says why;
+the decoder then uses oneDNN's packed product and says so once in the log.
+
+A packed weight is a tensor of the weight's logical shape ``[n, k]`` whose storage holds
+the panels (as oneDNN's packed weight is ``[n, k]`` over its own layout): it is an input
+to :func:`linear` only, never to another torch op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("fewrows.cpp")
+
+_LOCK = threading.Lock()
+_STATE: dict[str, str | None] = {}
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process, or None when it can (builds and loads
+    it on the first call; later calls return the first answer)."""
+    with _LOCK:
+        if "reason" not in _STATE:
+            try:
+                _load()
+                _STATE["reason"] = None
+            except FewRowsUnavailable as err:
+                _STATE["reason"] = str(err)
+        return _STATE["reason"]
+
+
+class FewRowsUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (see the module docstring)."""
+    if os.environ.get("RLTUNE_CACHE_DIR"):
+        return Path(os.environ["RLTUNE_CACHE_DIR"]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rltune" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _load() -> None:
+    if hasattr(torch.ops.rltune, "fewrows_linear"):
+        return
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise FewRowsUnavailable("no C++ compiler found (set CXX, or install g++)")
+    key = hashlib.sha256(b"\0".join(
+        s if isinstance(s, bytes) else s.encode()
+        for s in (SOURCE.read_bytes(), compiler, _cpu_flags(), torch.__version__)
+    )).hexdigest()[:20]
+    target = cache_dir() / f"fewrows-{key}.so"
+    if not target.exists():
+        target = _build(compiler, target)
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as err:
+        raise FewRowsUnavailable(f"the built kernel {target} does not load: {err}") from err
+    torch.library.register_fake("rltune::fewrows_pack")(_pack_shape)
+    torch.library.register_fake("rltune::fewrows_linear")(_linear_shape)
+
+
+def _build(compiler: str, target: Path) -> Path:
+    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build by another
+    process leaves one complete file); the library's path."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    except OSError:  # an unwritable cache: build for this process only
+        work = Path(tempfile.mkdtemp(prefix="rltune-fewrows-"))
+        target = work / target.name
+    obj, built = work / "fewrows.o", work / target.name
+    # torch's parallel_for is inline OpenMP where torch runs on OpenMP: compiled with
+    # -fopenmp, and linked against the runtime torch loaded, not the compiler's own (a
+    # second runtime would be a second thread pool)
+    openmp = torch.backends.openmp.is_available()
+    runtime = openmp_runtime() if openmp else None
+    if openmp and runtime is None:
+        raise FewRowsUnavailable("torch runs on OpenMP, but its runtime was not found among the "
+                                 "process's loaded libraries (/proc/self/maps)")
+    commands = [
+        [compiler, "-O3", "-march=native", "-std=c++20", "-fPIC", "-DNDEBUG", *(["-fopenmp"] if openmp else []),
+         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+         *(f"-I{p}" for p in include_paths()), "-c", str(SOURCE), "-o", str(obj)],
+        [compiler, "-shared", str(obj), "-o", str(built), *([str(runtime)] if runtime else []),
+         *(f"-L{p}" for p in library_paths()), *(f"-Wl,-rpath,{p}" for p in library_paths()),
+         "-lc10", "-ltorch_cpu"],
+    ]
+    for command in commands:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise FewRowsUnavailable(f"building {SOURCE.name} failed: {' '.join(command)}: {err}") from err
+        if done.returncode != 0:
+            raise FewRowsUnavailable(
+                f"building {SOURCE.name} failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
+    if built != target:
+        os.replace(built, target)
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def openmp_runtime() -> Path | None:
+    """The OpenMP runtime (GNU, Intel or LLVM) loaded in this process, from its memory
+    map; None where there is none or the map is unreadable."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and re.search(r"/lib(gomp|iomp5|omp)[-.][^/]*so", fields[5]):
+            return Path(fields[5])
+    return None
+
+
+def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty(weight.shape)
+
+
+def _linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [n, k]`` (float32, CPU) stored as the kernel's panels, in a tensor of the
+    same logical shape (see the module docstring)."""
+    _require()
+    return torch.ops.rltune.fewrows_pack(weight)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + bias + residual`` with ``packed`` from :func:`pack`; ``x [..., k]``,
+    ``residual`` of the output's shape; a new contiguous ``[..., n]`` tensor."""
+    return torch.ops.rltune.fewrows_linear(x, packed, bias, residual)
+
+
+def _require() -> None:
+    reason = unavailable()
+    if reason:
+        raise FewRowsUnavailable(reason)
