@@ -60,20 +60,21 @@ log = logging.getLogger(__name__)
 
 
 class _Linear:
-    """``y = x Wᵀ + b`` on a weight fixed for one generation: plain (``kernel`` None), or
-    stored once in a packed layout for the few-row product: the kernel of
-    :mod:`rltune.rollout.fewrows` (``"fewrows"``) or oneDNN's blocked layout for ``rows``
-    rows (``"onednn"``)."""
+    """``y = x Wᵀ + b`` on a weight fixed for one generation, ``W`` the ``weights``
+    stacked along the outputs: plain (``kernel`` None), or stored once in a packed layout
+    for the few-row product: the kernel of :mod:`rltune.rollout.fewrows` (``"fewrows"``,
+    which packs the stacked weights without concatenating them first) or oneDNN's blocked
+    layout for ``rows`` rows (``"onednn"``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, kernel: str | None, rows: int) -> None:
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, *, kernel: str | None,
+                 rows: int) -> None:
         self.bias = bias
         self.kernel = kernel
         if kernel == "fewrows":
-            self.weight = fewrows.pack(weight)
-        elif kernel == "onednn":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        else:
-            self.weight = weight
+            self.weight = fewrows.pack(weights)
+            return
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if kernel == "onednn" else weight
 
     @property
     def pack(self) -> bool:
@@ -105,10 +106,10 @@ class _Projections:
         if fuse:
             biases = [b for _, b in pairs]
             bias = None if biases[0] is None else torch.cat(biases)
-            self.linears = [_Linear(torch.cat([w for w, _ in pairs]), bias, kernel=kernel, rows=rows)]
+            self.linears = [_Linear([w for w, _ in pairs], bias, kernel=kernel, rows=rows)]
             self.split: list[int] | None = [w.shape[0] for w, _ in pairs]
         else:
-            self.linears = [_Linear(w, b, kernel=kernel, rows=rows) for w, b in pairs]
+            self.linears = [_Linear([w], b, kernel=kernel, rows=rows) for w, b in pairs]
             self.split = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -139,9 +140,9 @@ def _fuse(layer: LayerTensors, *, fuse: bool, kernel: str | None, rows: int) -> 
     ``fuse``, each matrix packed for ``kernel`` (see :class:`_Linear`)."""
     return _Fused(
         qkv=_Projections([layer.q, layer.k, layer.v], fuse=fuse, kernel=kernel, rows=rows),
-        o=_Linear(*layer.o, kernel=kernel, rows=rows),
+        o=_Linear([layer.o[0]], layer.o[1], kernel=kernel, rows=rows),
         gate_up=_Projections([(layer.gate, None), (layer.up, None)], fuse=fuse, kernel=kernel, rows=rows),
-        down=_Linear(layer.down, None, kernel=kernel, rows=rows),
+        down=_Linear([layer.down], None, kernel=kernel, rows=rows),
     )
 
 

@@ -76,26 +76,36 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
               " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-// weight [n, k] into panels, returned as a tensor of the weight's logical shape [n, k]
-// whose storage holds the panels (an input to fewrows_linear only).
-at::Tensor pack(const at::Tensor& weight) {
-  check_float_cpu(weight, "weight");
-  TORCH_CHECK(weight.dim() == 2, "fewrows_pack: weight must be 2-D, got ", weight.sizes());
-  at::Tensor w = weight.contiguous();
-  int64_t n = w.size(0), k = w.size(1), panels = panels_for(n);
-  at::Tensor out = at::empty({panels * k * VW}, w.options());
-  const float* src = w.data_ptr<float>();
+// The weights [n_i, k], stacked along n as one [n, k] (q, k and v; gate and up), into
+// panels, returned as a tensor of the stacked logical shape [n, k] whose storage holds the
+// panels (an input to fewrows_linear only). Each panel is filled VW columns by a cache
+// line: one store per k of the VW values gathered from the VW source rows.
+at::Tensor pack(at::TensorList weights) {
+  TORCH_CHECK(!weights.empty(), "fewrows_pack: no weights");
+  std::vector<at::Tensor> ws;
+  int64_t n = 0, k = weights[0].dim() == 2 ? weights[0].size(1) : -1;
+  for (const at::Tensor& w : weights) {
+    check_float_cpu(w, "weight");
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "fewrows_pack: the weights must be 2-D with the same columns, got ",
+                w.sizes(), " after ", weights[0].sizes());
+    ws.push_back(w.contiguous());
+    n += w.size(0);
+  }
+  std::vector<float> zeros(k, 0.f);
+  std::vector<const float*> source;  // the row of one output column, zeros past n
+  for (const at::Tensor& w : ws)
+    for (int64_t r = 0; r < w.size(0); r++) source.push_back(w.data_ptr<float>() + r * k);
+  int64_t panels = panels_for(n);
+  source.resize(panels * VW, zeros.data());
+  at::Tensor out = at::empty({panels * k * VW}, ws[0].options());
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; p++)
-      for (int64_t j = 0; j < VW; j++) {
-        int64_t col = p * VW + j;
-        float* d = dst + p * k * VW + j;
-        if (col < n)
-          for (int64_t i = 0; i < k; i++) d[i * VW] = src[col * k + i];
-        else
-          for (int64_t i = 0; i < k; i++) d[i * VW] = 0.f;
-      }
+    for (int64_t p = begin; p < end; p++) {
+      const float* const* src = source.data() + p * VW;
+      float* d = dst + p * k * VW;
+      for (int64_t i = 0; i < k; i++)
+        for (int j = 0; j < VW; j++) d[i * VW + j] = src[j][i];
+    }
   });
   return out.as_strided({n, k}, {k, 1});
 }
@@ -154,7 +164,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rltune, m) {
-  m.def("fewrows_pack(Tensor weight) -> Tensor");
+  m.def("fewrows_pack(Tensor[] weights) -> Tensor");
   m.def("fewrows_linear(Tensor x, Tensor packed, Tensor? bias=None, Tensor? residual=None) -> Tensor");
 }
 

@@ -82,9 +82,7 @@ def _cpu_flags() -> str:
 def _load() -> None:
     if hasattr(torch.ops.rltune, "fewrows_linear"):
         return
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise FewRowsUnavailable("no C++ compiler found (set CXX, or install g++)")
+    compiler = _compiler()
     key = hashlib.sha256(b"\0".join(
         s if isinstance(s, bytes) else s.encode()
         for s in (SOURCE.read_bytes(), compiler, _cpu_flags(), torch.__version__)
@@ -100,8 +98,15 @@ def _load() -> None:
     torch.library.register_fake("rltune::fewrows_linear")(_linear_shape)
 
 
-def _build(compiler: str, target: Path) -> Path:
-    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build by another
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise FewRowsUnavailable("no C++ compiler found (set CXX, or install g++)")
+    return compiler
+
+
+def _build(compiler: str, target: Path, source: Path = SOURCE) -> Path:
+    """Compile ``source`` into ``target`` (atomically: a concurrent build by another
     process leaves one complete file); the library's path."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -123,22 +128,25 @@ def _build(compiler: str, target: Path) -> Path:
     commands = [
         [compiler, "-O3", "-march=native", "-std=c++20", "-fPIC", "-DNDEBUG", *(["-fopenmp"] if openmp else []),
          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-         *(f"-I{p}" for p in include_paths()), "-c", str(SOURCE), "-o", str(obj)],
+         *(f"-I{p}" for p in include_paths()), "-c", str(source), "-o", str(obj)],
         [compiler, "-shared", str(obj), "-o", str(built), *([str(runtime)] if runtime else []),
          *(f"-L{p}" for p in library_paths()), *(f"-Wl,-rpath,{p}" for p in library_paths()),
          "-lc10", "-ltorch_cpu"],
     ]
-    for command in commands:
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise FewRowsUnavailable(f"building {SOURCE.name} failed: {' '.join(command)}: {err}") from err
-        if done.returncode != 0:
-            raise FewRowsUnavailable(
-                f"building {SOURCE.name} failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
-    if built != target:
-        os.replace(built, target)
-        shutil.rmtree(work, ignore_errors=True)
+    try:
+        for command in commands:
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.TimeoutExpired) as err:
+                raise FewRowsUnavailable(f"building {source.name} failed: {' '.join(command)}: {err}") from err
+            if done.returncode != 0:
+                raise FewRowsUnavailable(
+                    f"building {source.name} failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
+        if built != target:
+            os.replace(built, target)
+    finally:
+        if built != target:  # the cache keeps the library only
+            shutil.rmtree(work, ignore_errors=True)
     return target
 
 
@@ -156,8 +164,8 @@ def openmp_runtime() -> Path | None:
     return None
 
 
-def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
-    return weight.new_empty(weight.shape)
+def _pack_shape(weights: list[torch.Tensor]) -> torch.Tensor:
+    return weights[0].new_empty((sum(w.shape[0] for w in weights), weights[0].shape[1]))
 
 
 def _linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
@@ -165,11 +173,12 @@ def _linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [n, k]`` (float32, CPU) stored as the kernel's panels, in a tensor of the
-    same logical shape (see the module docstring)."""
+def pack(weight: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """``weight [n, k]`` (float32, CPU), or several ``[n_i, k]`` stacked along ``n`` as
+    one (without concatenating them first), stored as the kernel's panels in a tensor of
+    the stacked logical shape (see the module docstring)."""
     _require()
-    return torch.ops.rltune.fewrows_pack(weight)
+    return torch.ops.rltune.fewrows_pack([weight] if isinstance(weight, torch.Tensor) else list(weight))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
