@@ -28,10 +28,13 @@ Fused projections. Each prefill concatenates every layer's ``Wq, Wk, Wv`` (and b
 into one ``[(Hq + 2 Hkv) D, H]`` matrix and ``Wg, Wu`` into one ``[2 I, H]``, so a layer
 runs four matrix products instead of seven (the same dot products: each output is still
 one row of ``W`` times ``a``). On a CPU in float32 without autocast the four matrices are
-also reordered once into oneDNN's blocked layout for the decode's row count
-(``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing uses),
-which runs an 8-row product 1.4-2x faster than ``F.linear`` on the same weights
-(``docs/performance.md``); only the float32 summation order changes. On a CPU without
+also packed once for a few-row product (:func:`packed_kernel`): into the panels of
+:mod:`rltune.rollout.fewrows`, whose kernel streams them at close to the memory's
+bandwidth (q/k/v and gate/up packed from their own tensors, not concatenated first), or,
+where that kernel cannot be built, into oneDNN's blocked layout for the decode's row
+count (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing
+uses); both run an 8-row product faster than ``F.linear`` on the same weights
+(``docs/performance.md``), and only the float32 summation order changes. On a CPU without
 packing (bf16, autocast) the products stay separate: concatenated but unpacked they were
 0-7 % slower there. They are rebuilt
 at every prefill, i.e. once per generate call, from the live parameters: in an RL loop
@@ -160,28 +163,40 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 KERNELS = ("fewrows", "onednn")
-"""The packed products, in order of preference (see :class:`_Linear`)."""
+"""The packed products (see :class:`_Linear`)."""
+
+FEW_ROWS = 16
+"""Up to this many decode rows the fewrows kernel is the default, above it oneDNN's. A
+product of R rows does R/2 flops per weight byte; a CPU core's fused multiply-adds
+outrun its share of the memory bandwidth about 8 to 1, so up to ~16 rows the product
+waits on the weights (where fewrows streams them faster) and beyond that on arithmetic
+(where oneDNN's blocked GEMM is faster). Measured crossover 16-32 rows, oneDNN 15-40 %
+faster from 64 (``docs/performance.md``)."""
 
 
-def packed_kernel(requested: str | None = None) -> str:
-    """The packed product to run: ``requested``, or the first of :data:`KERNELS` that runs
-    here (fewrows unless it cannot be built, which is logged once). A requested kernel
-    that cannot run is an error naming why."""
+def packed_kernel(requested: str | None = None, rows: int = 1) -> str:
+    """The packed product to run for ``rows`` decode rows: ``requested``, or fewrows up to
+    :data:`FEW_ROWS` rows and oneDNN above (each where it runs: where fewrows cannot be
+    built oneDNN serves, logged once, and where torch lacks oneDNN fewrows serves any
+    rows). A requested kernel that cannot run is an error naming why."""
     if requested not in (None, *KERNELS):
         raise ValueError(f"unknown packed kernel {requested!r}; expected one of {KERNELS}")
-    reason = fewrows.unavailable() if requested in (None, "fewrows") else None
-    if requested == "fewrows" and reason:
-        raise ValueError(f"the fewrows kernel cannot run here: {reason}")
-    if requested == "onednn" or reason:
-        if not torch.backends.mkldnn.is_available():
-            raise ValueError("oneDNN is not built into this torch"
-                             + (f", and the fewrows kernel cannot run here: {reason}" if reason else ""))
-        if reason and not _FALLBACK_LOGGED:
-            _FALLBACK_LOGGED.append(reason)
-            log.warning("the decoder's products use oneDNN's packed kernel: the fewrows kernel cannot "
-                        "run here (%s)", reason)
+    onednn = torch.backends.mkldnn.is_available()
+    if requested == "onednn" or (requested is None and rows > FEW_ROWS and onednn):
+        if not onednn:
+            raise ValueError("the onednn kernel cannot run here: oneDNN is not built into this torch")
         return "onednn"
-    return "fewrows"
+    reason = fewrows.unavailable()
+    if reason is None:
+        return "fewrows"
+    if requested == "fewrows" or not onednn:
+        raise ValueError(f"the fewrows kernel cannot run here: {reason}"
+                         + ("" if onednn else ", and oneDNN is not built into this torch"))
+    if not _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.append(reason)
+        log.warning("the decoder's products use oneDNN's packed kernel: the fewrows kernel cannot "
+                    "run here (%s)", reason)
+    return "onednn"
 
 
 _FALLBACK_LOGGED: list[str] = []
@@ -227,7 +242,7 @@ class LeanDecoder:
                              f"autocast {torch.is_autocast_enabled('cpu')}")
         if kernel is not None and pack is False:
             raise ValueError(f"LeanDecoder(kernel={kernel!r}) names a packed product, but pack=False")
-        self.kernel = packed_kernel(kernel) if pack or kernel is not None else None
+        self.kernel = packed_kernel(kernel) if kernel is not None else None  # None: by rows, at the prefill
         self.pack = pack
         self.fused: list[_Fused] = []
         self.key_bias: torch.Tensor | None = None
@@ -265,7 +280,7 @@ class LeanDecoder:
         # this generation's weights: the live parameters, fused (packed, the compiled step
         # on a CPU reads them too; otherwise it reads the parameters itself)
         pack = self.pack if self.pack is not None else can_pack(self.embed)
-        kernel = (self.kernel or packed_kernel()) if pack else None
+        kernel = (self.kernel or packed_kernel(rows=rows * repeats)) if pack else None
         # on a CPU the concatenation pays only with packing (measured: without it the
         # fused products are 0-7 % slower than separate ones); elsewhere it saves launches
         fuse = pack or self.embed.device.type != "cpu"

@@ -27,6 +27,7 @@ to :func:`linear` only, never to another torch op.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -34,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -89,13 +91,33 @@ def _load() -> None:
     )).hexdigest()[:20]
     target = cache_dir() / f"fewrows-{key}.so"
     if not target.exists():
-        target = _build(compiler, target)
+        with _build_lock(target):  # processes starting together build it once
+            if not target.exists():
+                target = _build(compiler, target)
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as err:
         raise FewRowsUnavailable(f"the built kernel {target} does not load: {err}") from err
     torch.library.register_fake("rltune::fewrows_pack")(_pack_shape)
     torch.library.register_fake("rltune::fewrows_linear")(_linear_shape)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock on ``target``'s cache directory for the build, where the
+    directory is writable and the platform has ``flock``; else no lock (the build's
+    atomic rename still leaves one complete file)."""
+    try:
+        import fcntl
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(target.parent / ".lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _compiler() -> str:

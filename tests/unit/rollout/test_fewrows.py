@@ -122,6 +122,16 @@ def test_the_cache_follows_the_environment(monkeypatch, tmp_path) -> None:
     assert fewrows.cache_dir() == tmp_path / "b" / "rltune" / "kernels"
 
 
+def test_the_default_kernel_follows_the_row_count() -> None:
+    """fewrows where the product waits on the weights (few rows), oneDNN's GEMM beyond
+    :data:`FEW_ROWS`; a requested kernel is used at any row count."""
+    assert fastpath.packed_kernel(rows=8) == fastpath.packed_kernel(rows=fastpath.FEW_ROWS) == "fewrows"
+    assert fastpath.packed_kernel("fewrows", rows=256) == "fewrows"
+    if torch.backends.mkldnn.is_available():
+        assert fastpath.packed_kernel(rows=fastpath.FEW_ROWS + 1) == "onednn"
+        assert fastpath.packed_kernel("onednn", rows=8) == "onednn"
+
+
 def test_where_it_cannot_be_built_the_decoder_says_so_and_uses_onednn(monkeypatch, caplog) -> None:
     monkeypatch.setattr(fewrows, "unavailable", lambda: "no C++ compiler found")
     monkeypatch.setattr(fastpath, "_FALLBACK_LOGGED", [])
@@ -130,8 +140,8 @@ def test_where_it_cannot_be_built_the_decoder_says_so_and_uses_onednn(monkeypatc
     if not torch.backends.mkldnn.is_available():
         return
     with caplog.at_level(logging.WARNING, logger=fastpath.__name__):
-        assert fastpath.packed_kernel() == "onednn"
-        assert fastpath.packed_kernel() == "onednn"
+        assert fastpath.packed_kernel(rows=8) == "onednn"
+        assert fastpath.packed_kernel(rows=8) == "onednn"
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "no C++ compiler found" in said[0]  # once, with the reason
     with pytest.raises(ValueError, match="unknown packed kernel 'mkl'"):
