@@ -21,19 +21,22 @@ the model's live parameters (passed in at each call, so optimizer updates are se
 masked slots hold zeros, never garbage, so that ``0 × value`` in the attention sum stays
 0. Only the order of float reductions may differ from eager.
 
-On a CPU in float32 (where the eager decoder runs its one-query step on oneDNN-packed
-weights) the compiled step is :func:`packed_step`: that eager step's arithmetic (the
-packed products with the residual added as their post-op, the attention as ``baddbmm``,
-softmax, ``bmm`` with an additive key mask) over the static cache, compiled with
-inductor's C++ wrapper, so a whole step is one native call: the fused norms, rotary and
-softmax loops and the packed products run without a Python call between them. Inductor
+On a CPU in float32 (where the eager decoder runs its one-query step on packed weights:
+the fewrows kernel's, :mod:`rltune.rollout.fewrows`, or oneDNN's) the compiled step is
+:func:`packed_step`: that eager step's arithmetic (the packed products with the residual
+added as they store their output, the attention as ``baddbmm``, softmax, ``bmm`` with an
+additive key mask) over the static cache, compiled with inductor's C++ wrapper, so a
+whole step is one native call: the fused norms, rotary and softmax loops and the packed
+products run without a Python call between them (fewrows' products are torch operators
+registered in C++, called from the generated code through the dispatcher). Inductor
 lowers oneDNN's packed products only for weights frozen into a graph as constants (its
 CPU freezing); here the packed weights are graph inputs, re-packed from the live
 parameters at every generation, so while the step compiles they are lowered as plain
 calls of the same kernel (:func:`_lower_packed_products_as_calls`).
 
 Where it pays is measured in ``docs/performance.md``. On a 2-core CPU the packed step
-cuts a small model's decode by 27 % a token at 3 M parameters and by 14 % at 25 M, after
+cut a small model's decode by 27 % a token at 3 M parameters and by 14 % at 25 M on
+oneDNN's products (with fewrows' products, see that page's Change 7), after
 a first compile of about 20 s (inductor caches it on disk for later runs; each new
 (rows, bucket) shape compiles again); it needs a C++ compiler, as inductor's CPU backend
 always does. ``rollout.compile`` stays ``false`` by default: a short run does not

@@ -28,13 +28,14 @@ Fused projections. Each prefill concatenates every layer's ``Wq, Wk, Wv`` (and b
 into one ``[(Hq + 2 Hkv) D, H]`` matrix and ``Wg, Wu`` into one ``[2 I, H]``, so a layer
 runs four matrix products instead of seven (the same dot products: each output is still
 one row of ``W`` times ``a``). On a CPU in float32 without autocast the four matrices are
-also packed once for a few-row product (:func:`packed_kernel`): into the panels of
-:mod:`rltune.rollout.fewrows`, whose kernel streams them at close to the memory's
-bandwidth (q/k/v and gate/up packed from their own tensors, not concatenated first), or,
+also packed once (:func:`packed_kernel`). Up to :data:`FEW_ROWS` decode rows they go into
+the panels of :mod:`rltune.rollout.fewrows`, whose kernel streams them faster than
+oneDNN's product or ``F.linear`` on the same weights (``docs/performance.md``; q/k/v
+and gate/up are packed from their own tensors, not concatenated first); above that, or
 where that kernel cannot be built, into oneDNN's blocked layout for the decode's row
 count (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing
-uses); both run an 8-row product faster than ``F.linear`` on the same weights
-(``docs/performance.md``), and only the float32 summation order changes. On a CPU without
+uses), whose GEMM is faster once the product is compute-bound. Only the float32
+summation order changes. On a CPU without
 packing (bf16, autocast) the products stay separate: concatenated but unpacked they were
 0-7 % slower there. They are rebuilt
 at every prefill, i.e. once per generate call, from the live parameters: in an RL loop
@@ -78,10 +79,6 @@ class _Linear:
             return
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if kernel == "onednn" else weight
-
-    @property
-    def pack(self) -> bool:
-        return self.kernel is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "fewrows":
