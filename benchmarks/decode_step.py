@@ -12,7 +12,7 @@ under load.
 
 Variants: ``plain`` (``LeanDecoder(pack=False)``: on a CPU one ``F.linear`` per projection),
 ``packed fewrows`` and ``packed onednn`` (q/k/v and gate/up fused, on weights packed for
-the few-row kernel of ``rltune/rollout/fewrows.c``, the CPU float32 default, or for
+the few-row kernel of ``rltune/rollout/fewrows.cpp``, the CPU float32 default, or for
 oneDNN's product), with ``--compiled`` ``compiled fewrows`` and ``compiled onednn`` (the
 same packed weights, each step one call of ``rollout.compile``'s compiled step over a
 static cache; its compile happens in the warm-up), and with

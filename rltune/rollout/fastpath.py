@@ -67,21 +67,33 @@ class _Linear:
     """``y = x Wᵀ + b`` on a weight fixed for one generation, ``W`` the ``weights``
     stacked along the outputs: plain (``kernel`` None), or stored once in a packed layout
     for the few-row product: the kernel of :mod:`rltune.rollout.fewrows` (``"fewrows"``,
-    which packs the stacked weights without concatenating them first) or oneDNN's blocked
-    layout for ``rows`` rows (``"onednn"``)."""
+    which packs the stacked weights without concatenating them first; an input of more
+    than :data:`FEW_ROWS` rows, the prefill of a long prompt, goes to ``F.linear`` on the
+    live weights instead, which is faster there) or oneDNN's blocked layout for ``rows``
+    rows (``"onednn"``)."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, *, kernel: str | None,
                  rows: int) -> None:
         self.bias = bias
         self.kernel = kernel
         if kernel == "fewrows":
+            self.weights = weights
             self.weight = fewrows.pack(weights)
             return
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if kernel == "onednn" else weight
 
+    def _plain(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The unpacked weight where a fewrows product gets too many rows for its kernel."""
+        if x.numel() <= FEW_ROWS * x.shape[-1]:
+            return None
+        return self.weights[0] if len(self.weights) == 1 else torch.cat(self.weights)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "fewrows":
+            plain = self._plain(x)
+            if plain is not None:
+                return F.linear(x, plain, self.bias)
             return fewrows.linear(x, self.weight, self.bias)
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -91,6 +103,9 @@ class _Linear:
         """``residual + (x Wᵀ + b)``; packed, the sum is done by the product's kernel as it
         stores the output (one call, the same float32 addition)."""
         if self.kernel == "fewrows":
+            plain = self._plain(x)
+            if plain is not None:
+                return residual + F.linear(x, plain, self.bias)
             return fewrows.linear(x, self.weight, self.bias, residual)
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
@@ -215,8 +230,8 @@ class LeanDecoder:
         (``rollout.compile``, :mod:`rltune.rollout.compiled`) instead of eagerly.
         ``pack``: run the fused projections on packed weights (see the module
         docstring); None: where :func:`can_pack` allows; True where it does not is an
-        error. ``kernel``: the packed product (:func:`packed_kernel`; None: the fastest
-        that runs here)."""
+        error. ``kernel``: the packed product (:func:`packed_kernel`; None: by the row
+        count, among those that run here); naming one implies ``pack=True``."""
         if not supports_fastpath(model):
             raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
         if max_new_tokens < 1:
@@ -233,6 +248,8 @@ class LeanDecoder:
         self.groups = attn.num_key_value_groups
         self.scale = attn.scaling
         self.compiled = compiled
+        if kernel is not None and pack is None:
+            pack = True  # a named packed product is a request to pack
         if pack and not cpu_float32(self.embed):
             raise ValueError("LeanDecoder(pack=True) needs float32 weights on the CPU and no CPU "
                              f"autocast; got {self.embed.dtype} on {self.embed.device}, "

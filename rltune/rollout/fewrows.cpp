@@ -38,6 +38,28 @@ typedef float vec __attribute__((vector_size(VW * sizeof(float))));
 // never reads past the end; the columns past n are zero.
 int64_t panels_for(int64_t n) { return ((n + VW * NP - 1) / (VW * NP)) * NP; }
 
+// After the panels a packed weight's storage holds MARK_WORDS int32 words: a magic number,
+// n, k and VW, which fewrows_linear checks, so that a tensor that is not fewrows_pack's
+// output for this build (a plain weight, a copy, a slice) is refused, not misread.
+constexpr int MARK_WORDS = 4;
+constexpr int32_t MAGIC = 0x66726f77;  // "frow"
+
+int64_t packed_floats(int64_t n, int64_t k) { return panels_for(n) * k * VW + MARK_WORDS; }
+
+void write_mark(float* end, int64_t n, int64_t k) {
+  int32_t mark[MARK_WORDS] = {MAGIC, int32_t(n), int32_t(k), VW};
+  std::memcpy(end, mark, sizeof mark);
+}
+
+bool has_mark(const at::Tensor& packed, int64_t n, int64_t k) {
+  if (packed.storage_offset() != 0 || packed.dim() != 2 || packed.stride(0) != k || packed.stride(1) != 1 ||
+      packed.storage().nbytes() != size_t(packed_floats(n, k)) * sizeof(float))
+    return false;
+  int32_t mark[MARK_WORDS];
+  std::memcpy(mark, static_cast<const float*>(packed.storage().data()) + panels_for(n) * k * VW, sizeof mark);
+  return mark[0] == MAGIC && mark[1] == int32_t(n) && mark[2] == int32_t(k) && mark[3] == VW;
+}
+
 // One step: the MR rows of xt ([k][MR], one row block, rows r0..) times panels first..first+NP.
 inline void step(const float* xt, int64_t k, const float* packed, int64_t first, int64_t n, int64_t rows,
                  int64_t r0, const float* bias, const float* residual, float* y) {
@@ -97,8 +119,9 @@ at::Tensor pack(at::TensorList weights) {
     for (int64_t r = 0; r < w.size(0); r++) source.push_back(w.data_ptr<float>() + r * k);
   int64_t panels = panels_for(n);
   source.resize(panels * VW, zeros.data());
-  at::Tensor out = at::empty({panels * k * VW}, ws[0].options());
+  at::Tensor out = at::empty({packed_floats(n, k)}, ws[0].options());
   float* dst = out.data_ptr<float>();
+  write_mark(dst + panels * k * VW, n, k);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++) {
       const float* const* src = source.data() + p * VW;
@@ -116,16 +139,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
                   const std::optional<at::Tensor>& residual) {
   check_float_cpu(x, "x");
   check_float_cpu(packed, "packed");
+  TORCH_CHECK(packed.dim() == 2, "fewrows_linear: packed must be 2-D, got ", packed.sizes());
   int64_t n = packed.size(0), k = packed.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "fewrows_linear: x ", x.sizes(), " does not fit a [", n, ", ", k,
               "] weight");
-  TORCH_CHECK(packed.storage_offset() == 0 && packed.storage().nbytes() >= size_t(panels_for(n) * k * VW * 4),
-              "fewrows_linear: packed is not a weight from fewrows_pack");
+  TORCH_CHECK(has_mark(packed, n, k), "fewrows_linear: packed ", packed.sizes(),
+              " is not fewrows_pack's output as it returned it (a plain weight, a copy or a slice of one)");
   at::Tensor xc = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
-  int64_t rows = k ? xc.numel() / k : 0;
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < shape.size(); d++) rows *= shape[d];
   at::Tensor bc, rc;
   if (bias) {
     check_float_cpu(*bias, "bias");
@@ -134,7 +159,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   }
   if (residual) {
     check_float_cpu(*residual, "residual");
-    TORCH_CHECK(residual->numel() == rows * n, "fewrows_linear: residual ", residual->sizes(),
+    TORCH_CHECK(residual->sizes() == y.sizes(), "fewrows_linear: residual ", residual->sizes(),
                 " is not the output's shape ", y.sizes());
     rc = residual->contiguous();
   }

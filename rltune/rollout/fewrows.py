@@ -10,10 +10,11 @@ applies every loaded weight vector to all rows at once, on torch's own threads.
 The C++ source ships with the package and is compiled on first use with the C++
 compiler (``$CXX``, else ``c++``) against the running torch's headers and libraries
 (:mod:`torch.utils.cpp_extension`'s paths), for the CPU it runs on (``-march=native``),
-linked against the OpenMP runtime torch loaded, in about 10 s; the library is cached under ``$RLTUNE_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/rltune``, else ``~/.cache/rltune``), keyed by the source, the
-compiler, the CPU's feature flags and the torch version, so a cache shared by different
-machines never hands one the other's build. It registers two torch operators,
+linked against the OpenMP runtime torch loaded, in about 10 s. The library is cached
+under ``$RLTUNE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/rltune``, else
+``~/.cache/rltune``), keyed by the source, the compiler and its version, the CPU's
+feature flags, the torch version, install and ABI, and the OpenMP runtime; a cached
+build that does not load here is rebuilt for the process. It registers two torch operators,
 ``rltune::fewrows_pack`` and ``rltune::fewrows_linear`` (so a compiled graph calls the
 kernel with no Python between), with shape functions for the compiler.
 
@@ -56,6 +57,8 @@ def unavailable() -> str | None:
                 _STATE["reason"] = None
             except FewRowsUnavailable as err:
                 _STATE["reason"] = str(err)
+            except Exception as err:  # noqa: BLE001 - any failure to build or load means "not here", with its reason
+                _STATE["reason"] = f"building or loading {SOURCE.name} failed: {type(err).__name__}: {err}"
         return _STATE["reason"]
 
 
@@ -82,24 +85,42 @@ def _cpu_flags() -> str:
 
 
 def _load() -> None:
-    if hasattr(torch.ops.rltune, "fewrows_linear"):
-        return
-    compiler = _compiler()
-    key = hashlib.sha256(b"\0".join(
-        s if isinstance(s, bytes) else s.encode()
-        for s in (SOURCE.read_bytes(), compiler, _cpu_flags(), torch.__version__)
-    )).hexdigest()[:20]
-    target = cache_dir() / f"fewrows-{key}.so"
-    if not target.exists():
-        with _build_lock(target):  # processes starting together build it once
-            if not target.exists():
-                target = _build(compiler, target)
+    if not hasattr(torch.ops.rltune, "fewrows_linear"):
+        compiler = _compiler()
+        key = hashlib.sha256(b"\0".join(
+            s if isinstance(s, bytes) else s.encode()
+            for s in (SOURCE.read_bytes(), compiler, _compiler_version(compiler), _cpu_flags(), torch.__version__,
+                      str(Path(torch.__file__).parent), str(torch._C._GLIBCXX_USE_CXX11_ABI), str(openmp_runtime()))
+        )).hexdigest()[:20]
+        target = cache_dir() / f"fewrows-{key}.so"
+        if not target.exists():
+            with _build_lock(target):  # processes starting together build it once
+                if not target.exists():
+                    target = _build(compiler, target)
+        try:
+            torch.ops.load_library(str(target))
+        except (OSError, RuntimeError) as err:
+            # a cached build this machine cannot load (a damaged file, or one another
+            # machine wrote under the same key): build a private copy for this process
+            try:
+                private = _build(compiler, Path(tempfile.mkdtemp(prefix="rltune-fewrows-")) / target.name)
+                torch.ops.load_library(str(private))
+            except (OSError, RuntimeError) as again:
+                raise FewRowsUnavailable(f"the built kernel {target} does not load: {err}; "
+                                         f"rebuilt, it does not either: {again}") from again
+    if "fakes" not in _STATE:
+        torch.library.register_fake("rltune::fewrows_pack")(_pack_shape)
+        torch.library.register_fake("rltune::fewrows_linear")(_linear_shape)
+        _STATE["fakes"] = None
+
+
+def _compiler_version(compiler: str) -> str:
+    """``compiler --version``'s first line (part of the cache key), or "" if it fails."""
     try:
-        torch.ops.load_library(str(target))
-    except (OSError, RuntimeError) as err:
-        raise FewRowsUnavailable(f"the built kernel {target} does not load: {err}") from err
-    torch.library.register_fake("rltune::fewrows_pack")(_pack_shape)
-    torch.library.register_fake("rltune::fewrows_linear")(_linear_shape)
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.splitlines()[0] if done.stdout else ""
 
 
 @contextlib.contextmanager
@@ -116,7 +137,10 @@ def _build_lock(target: Path) -> Iterator[None]:
         yield
         return
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some network homes): build unlocked
+            pass
         yield
 
 

@@ -4,6 +4,9 @@ the decoder does where it cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,8 +16,9 @@ from rltune.rollout import fastpath, fewrows
 
 
 @pytest.fixture(autouse=True)
-def _built(require_fewrows) -> None:
-    require_fewrows()
+def _built(request: pytest.FixtureRequest, require_fewrows) -> None:
+    if "without_kernel" not in request.keywords:  # the tests of the fallback need no kernel
+        require_fewrows()
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,9 +34,10 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | None = N
     return bound + 1e-30
 
 
-# rows: one row block, a partial one, several; columns: whole panels of 16 and 8 floats,
-# a ragged tail, fewer than one panel
-SHAPES = [(8, 64, 48), (3, 40, 24), (21, 33, 100), (1, 512, 7), (16, 17, 256)]
+# (rows, n, k). rows: one row block, a partial one, several, none; columns: whole panels of
+# 16 and 8 floats, a ragged tail, fewer than one panel; k: one, several, none
+SHAPES = [(8, 64, 48), (3, 40, 24), (21, 33, 100), (1, 512, 7), (16, 17, 256), (5, 7, 40), (0, 24, 8),
+          (4, 24, 0), (9, 3, 1)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -50,6 +55,9 @@ def test_product_equals_f_linear(rows: int, n: int, k: int, threads: int) -> Non
     finally:
         torch.set_num_threads(before)
     assert packed.shape == (n, k) and plain.shape == (rows, n) and plain.is_contiguous()
+    if rows == 0 or k == 0:  # an empty product: the bias and residual alone, or nothing
+        torch.testing.assert_close(plain, torch.zeros(rows, n), atol=0, rtol=0)
+        torch.testing.assert_close(full, (b + res), atol=0, rtol=0)
     exact = x.double() @ w.double().t()
     assert ((plain.double() - exact).abs() <= error_bound(x, w).double()).all()
     want = exact + b.double() + res.double()
@@ -83,8 +91,8 @@ def test_leading_dimensions_and_strided_inputs() -> None:
     res = torch.randn(40, 5, 3, generator=gen).permute(2, 1, 0)
     got = fewrows.linear(x, fewrows.pack(w), None, res)
     assert got.shape == (3, 5, 40)
-    want = F.linear(x, w) + res
-    assert ((got - want).abs() <= error_bound(x, w, res)).all()
+    want = x.double() @ w.double().t() + res.double()
+    assert ((got.double() - want).abs() <= error_bound(x, w, res).double()).all()
 
 
 def test_bad_inputs_are_named() -> None:
@@ -95,14 +103,50 @@ def test_bad_inputs_are_named() -> None:
         fewrows.linear(torch.randn(2, 9), packed)
     with pytest.raises(RuntimeError, match=r"bias has 15 elements, the weight 16 rows"):
         fewrows.linear(torch.randn(2, 8), packed, torch.randn(15))
-    with pytest.raises(RuntimeError, match=r"residual .* is not the output's shape"):
-        fewrows.linear(torch.randn(2, 8), packed, None, torch.randn(3, 16))
-    with pytest.raises(RuntimeError, match="packed is not a weight from fewrows_pack"):
-        fewrows.linear(torch.randn(2, 8), torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match=r"residual \[16, 2\] is not the output's shape \[2, 16\]"):
+        fewrows.linear(torch.randn(2, 8), packed, None, torch.randn(16, 2))
+    # a plain weight, a copy, a slice: refused, never read as panels (whatever the vector width)
+    for wrong in (torch.randn(16, 8), torch.randn(32, 8), packed.clone(), packed[:, :4], packed[:8]):
+        with pytest.raises(RuntimeError, match="is not fewrows_pack's output as it returned it"):
+            fewrows.linear(torch.randn(2, wrong.shape[1]), wrong)
     with pytest.raises(RuntimeError, match=r"the weights must be 2-D with the same columns, got \[4, 7\] after \[16, 8\]"):
         fewrows.pack([torch.randn(16, 8), torch.randn(4, 7)])
     with pytest.raises(RuntimeError, match=r"weight must be a float32 CPU tensor, got Half"):
         fewrows.pack(torch.randn(16, 8).half())
+
+
+def test_the_shape_functions_match_the_kernels() -> None:
+    """What the compiler is told the operators return (shape, strides, dtype) is what they
+    return, for a 2-D and a 3-D input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    parts = [torch.randn(20, 12), torch.randn(4, 12)]
+    packed = fewrows.pack(parts)
+    for x in (torch.randn(3, 12), torch.randn(2, 5, 12)):
+        real = fewrows.linear(x, packed, torch.randn(24))
+        with FakeTensorMode() as mode:
+            fake_packed = torch.ops.rltune.fewrows_pack([mode.from_tensor(p) for p in parts])
+            fake = torch.ops.rltune.fewrows_linear(mode.from_tensor(x), fake_packed, None, None)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+        assert fake_packed.shape == packed.shape
+
+
+def test_the_avx2_build_passes_these_tests(tmp_path) -> None:
+    """A CPU with AVX-512 builds the kernel with 16-float vectors and two panels a step; an
+    AVX2 CPU builds it with 8-float vectors and one. That second build is made here with
+    ``-mno-avx512f`` (a compiler wrapper as ``CXX``, a cache of its own) and this file's
+    other tests run on it in a child process."""
+    if "avx512f" not in fewrows._cpu_flags().split():
+        pytest.skip("this CPU's own build is the 8-float one, which the other tests run")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec "{fewrows._compiler()}" "$@" -mno-avx512f\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "CXX": str(wrapper), "RLTUNE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
+    assert len(list((tmp_path / "cache" / "kernels").glob("fewrows-*.so"))) == 1  # built through the wrapper
 
 
 def test_a_failed_build_names_the_command_and_the_compiler_error(tmp_path) -> None:
@@ -132,6 +176,7 @@ def test_the_default_kernel_follows_the_row_count() -> None:
         assert fastpath.packed_kernel("onednn", rows=8) == "onednn"
 
 
+@pytest.mark.without_kernel
 def test_where_it_cannot_be_built_the_decoder_says_so_and_uses_onednn(monkeypatch, caplog) -> None:
     monkeypatch.setattr(fewrows, "unavailable", lambda: "no C++ compiler found")
     monkeypatch.setattr(fastpath, "_FALLBACK_LOGGED", [])
