@@ -103,7 +103,14 @@ def main() -> None:
         old = baseline_decoder(args.baseline)
         variants["baseline"] = lambda: old(model, max_new_tokens=NEW_TOKENS)
     variants["plain"] = lambda: LeanDecoder(model, max_new_tokens=NEW_TOKENS, pack=False)
-    kernels = [k for k in KERNELS if _runs(packed_kernel, k)] if can_pack(model.lm_head.weight) else []
+    kernels = []
+    for kernel in KERNELS if can_pack(model.lm_head.weight) else ():
+        try:
+            packed_kernel(kernel)
+        except ValueError as err:
+            print(f"packed {kernel}: not run ({err})")
+            continue
+        kernels.append(kernel)
     for kernel in kernels:
         variants[f"packed {kernel}"] = partial(LeanDecoder, model, max_new_tokens=NEW_TOKENS, pack=True, kernel=kernel)
     if args.compiled:
@@ -135,15 +142,6 @@ def main() -> None:
         prefill, step, token = (statistics.median(r[i] for r in res) for i in range(3))
         print(f"  {name:>13}: prefill {prefill * 1e3:6.2f} ms  step {step * 1e6:8.1f} us  "
               f"per token {token * 1e6:8.1f} us", flush=True)
-
-
-def _runs(choose: Callable[[str], str], kernel: str) -> bool:
-    try:
-        choose(kernel)
-    except ValueError as err:
-        print(f"packed {kernel}: not run ({err})")
-        return False
-    return True
 
 
 if __name__ == "__main__":
