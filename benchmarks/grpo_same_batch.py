@@ -426,10 +426,11 @@ def paired(ours: list[dict], theirs: list[dict], key: str) -> str:
 
 def sampling(args, model_dir: Path, prompts_file: Path) -> None:
     """``--sampling``: the two generators on the same prompts with the untrained model.
-    TRL draws twice: with the run's seed (rltune's sampler and HF's both call
-    ``torch.multinomial`` on the same probabilities from a generator seeded alike, so the
-    draws may coincide token for token) and with another seed, whose draws are the
-    independent sample the statistics compare."""
+    TRL draws twice: with the run's seed and with another seed, whose draws are the
+    independent sample the statistics compare. (HF's sampler calls ``torch.multinomial``;
+    rltune's inverts the cumulative distribution with one uniform number a row,
+    ``rltune.rollout.sampling``, so the same seed does not give the same tokens: the two
+    draw from the same distribution in different ways.)"""
     with tempfile.TemporaryDirectory() as work:
         run = rltune_run(model_dir, prompts_file, Path(work), args.seed, 1)
         prompts = run.source.collector.draw(args.sampling_prompts)

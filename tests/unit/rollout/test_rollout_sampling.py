@@ -1,4 +1,4 @@
-"""filter_logits and sample_next against hand-worked distributions."""
+"""filter_logits, inverse_cdf and sample_next against hand-worked distributions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rltune.rollout.sampling import filter_logits, sample_next
+from rltune.rollout.sampling import filter_logits, inverse_cdf, sample_next
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -101,3 +101,72 @@ def test_greedy_takes_the_argmax_and_reports_the_t1_logprob() -> None:
     tokens, logp = sample_next(logits, temperature=0.0)
     assert tokens.tolist() == [1, 0]
     torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]], rtol=0, atol=1e-7)
+
+
+BELOW_ONE = 1.0 - 2.0**-53  # the largest float64 below 1, the largest value torch.rand draws
+
+
+@pytest.mark.parametrize(
+    ("weights", "uniform", "expected"),
+    [
+        # cumulative [0, 0.5, 0.5, 1]: the first entry above u is token 1 up to u = 0.5, then 3
+        ([0.0, 0.5, 0.0, 0.5], 0.0, 1),
+        ([0.0, 0.5, 0.0, 0.5], 0.499, 1),
+        ([0.0, 0.5, 0.0, 0.5], 0.5, 3),
+        ([0.0, 0.5, 0.0, 0.5], BELOW_ONE, 3),
+        # trailing zero weights: u just below 1 stays on the last positive token
+        ([0.5, 0.5, 0.0, 0.0], BELOW_ONE, 1),
+        # unnormalised: cumulative [2, 8], total 8; token 0 up to u = 0.25
+        ([2.0, 6.0], 0.2499, 0),
+        ([2.0, 6.0], 0.25, 1),
+    ],
+)
+def test_inverse_cdf_by_hand(weights: list[float], uniform: float, expected: int) -> None:
+    out = inverse_cdf(torch.tensor([weights]), torch.tensor([uniform], dtype=torch.float64))
+    assert out.tolist() == [expected]
+
+
+def test_inverse_cdf_never_returns_a_zero_weight_token() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.rand(64, 40, generator=gen)
+    weights[torch.rand(64, 40, generator=gen) < 0.6] = 0.0
+    weights[:, 0] = 0.0  # never first, never last
+    weights[:, -1] = 0.0
+    weights[:, 17] += 1e-30  # at least one positive weight a row (a denormal-sized share)
+    ends = torch.tensor([0.0, 1e-300, 0.5, BELOW_ONE], dtype=torch.float64)
+    for u in (*ends, *torch.rand(50, dtype=torch.float64, generator=gen)):
+        tokens = inverse_cdf(weights, u.expand(64))
+        assert bool((weights.gather(1, tokens[:, None]) > 0).all())
+
+
+def test_sampled_frequencies_match_every_probability() -> None:
+    gen = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(50, generator=gen) * 2, dim=0)
+    draws = 40_000
+    tokens, _ = sample_next(probs.log().expand(draws, -1), temperature=1.0, generator=gen)
+    freq = torch.bincount(tokens, minlength=50).double() / draws
+    sigma = (probs.double() * (1 - probs.double()) / draws).sqrt()
+    # 5 sigma a token: with 50 tokens a false failure has probability ~3e-5
+    assert bool(((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all())
+
+
+def test_sampling_is_reproducible_from_the_generator() -> None:
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(3))
+    draw = [sample_next(logits, temperature=0.7, top_p=0.9, generator=torch.Generator().manual_seed(4))[0]
+            for _ in range(2)]
+    assert torch.equal(draw[0], draw[1])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_broken_logits_name_their_rows(bad: float) -> None:
+    logits = torch.zeros(4, 6)
+    logits[2, 3] = bad
+    with pytest.raises(ValueError, match=r"row\(s\) \[2\] \(of 4\) hold NaN or infinite"):
+        sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_row_with_every_token_masked_is_refused() -> None:
+    logits = torch.zeros(2, 5)
+    logits[1] = float("-inf")
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\]"):
+        sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(0))
