@@ -45,7 +45,11 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     of weight 0 is never returned (its ``c_i`` equals ``c_{i-1}``, which is not above
     ``u c_V`` if ``c_i`` is), and ``u c_V`` is held below ``c_V`` so that the rounding of
     the product cannot step past the last token of positive weight."""
-    cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # [R, V]
+    return _search(torch.cumsum(weights, dim=-1, dtype=torch.float64), uniform)
+
+
+def _search(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """:func:`inverse_cdf` on the rows' cumulative sums ``[R, V]`` float64."""
     total = cumulative[:, -1:]
     point = torch.minimum(uniform.to(cumulative).unsqueeze(-1) * total, total.nextafter(torch.zeros_like(total)))
     return torch.searchsorted(cumulative, point, right=True).squeeze(-1)
@@ -78,22 +82,23 @@ def sample_next(
         if top_k or top_p < 1.0:  # the kept tokens' probabilities, unnormalised
             kept = torch.isfinite(filter_logits(scaled, top_k=top_k, top_p=top_p))
             weights = torch.where(kept, weights, 0.0)
-        _check_weights(weights)
+        cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # [R, V]
+        _check_totals(cumulative[:, -1])
         device = generator.device if generator is not None else logits.device
         uniform = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator, device=device)
-        tokens = inverse_cdf(weights, uniform.to(logits.device))
+        tokens = _search(cumulative, uniform.to(logits.device))
     return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _check_weights(weights: torch.Tensor) -> None:
-    """Each row's weights sum to a finite, positive total (NaN, infinite logits, or a row
-    with every token masked, fail), checked on the host: the draw would be meaningless."""
-    totals = weights.sum(dim=-1)
-    bad = ~(torch.isfinite(totals) & (totals > 0))
+def _check_totals(totals: torch.Tensor) -> None:
+    """Each row's weights (``totals [R]``, their sums) sum to a finite, positive total:
+    NaN or infinite logits, or a row with every token masked, fail. Checked on the host,
+    since a draw from them would be meaningless."""
+    bad = ~(totals > 0) | totals.isinf()  # NaN > 0 is False
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         raise ValueError(
             f"sampling: the next-token logits of row(s) {rows[:8]}{' ...' if len(rows) > 8 else ''} "
-            f"(of {weights.shape[0]}) hold NaN or infinite values, or mask every token; "
+            f"(of {totals.shape[0]}) hold NaN or infinite values, or mask every token; "
             "the model's output is broken (check its weights, dtype and inputs)"
         )
