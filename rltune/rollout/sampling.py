@@ -3,12 +3,12 @@
 Pure functions of tensors, shared by every generator that samples in torch.
 
 A token is drawn by inverting the distribution's cumulative sum (:func:`inverse_cdf`):
-one uniform number a row, the cumulative sum in float64, a binary search. It is an exact
-draw from the categorical distribution (up to float64 rounding of the sums, ~1e-16 of
-the mass a token), like ``torch.multinomial``, and much cheaper on a CPU: multinomial
-draws one exponential variate per vocabulary entry (and sets up a fresh random stream a
-call), 105 us a token for 8 rows of a 260-token vocabulary and 40 ms for 8 rows of
-Qwen's 152 k, where this takes ~58 us and ~2-8 ms (``docs/performance.md``).
+one float64 uniform number a row, running sums, a binary search. It draws from the
+categorical distribution as exactly as the float32 probabilities define it, like
+``torch.multinomial``, and costs far less on a CPU: multinomial draws one exponential
+variate per vocabulary entry (setting up a random stream a call), which for 8 rows of
+Qwen2's 152 k vocabulary takes ~40 ms a token; this takes a few ms
+(``benchmarks/sampling.py``, ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -36,23 +36,64 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
     return logits
 
 
+BLOCK = 1024
+"""Vocabulary entries a block of the two-level search (:func:`inverse_cdf`)."""
+
+
 def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """The token whose cumulative weight first exceeds ``uniform`` of the row's total.
+    """The token whose running weight first exceeds ``uniform`` of the row's total.
 
     ``weights [R, V]``: non-negative, finite, at least one positive a row (unnormalised
     probabilities); ``uniform [R]``: float64 in ``[0, 1)``. Returns ``[R]`` long: the
-    smallest ``i`` with ``c_i > u c_V``, ``c`` the row's cumulative sum in float64. A token
-    of weight 0 is never returned (its ``c_i`` equals ``c_{i-1}``, which is not above
-    ``u c_V`` if ``c_i`` is), and ``u c_V`` is held below ``c_V`` so that the rounding of
-    the product cannot step past the last token of positive weight."""
-    return _search(torch.cumsum(weights, dim=-1, dtype=torch.float64), uniform)
+    smallest ``i`` with ``c_i > u c_V``, ``c`` the row's running sum.
+
+    The search has two levels (:func:`_blocks`): the running sum of the blocks' totals
+    finds the block, and only that block's entries are summed one after another, in
+    float64; a float64 running sum over a whole row of 152 k entries is several times
+    slower. A token of weight 0 is never returned: its ``c_i`` equals ``c_{i-1}``, which
+    is not above the point if ``c_i`` is. The point is held below the row's total, and
+    inside the block below the block's own running total (which may differ from its
+    reduced sum by rounding), so rounding cannot step past the last token of positive
+    weight either."""
+    return _search(*_blocks(weights), uniform)
 
 
-def _search(cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """:func:`inverse_cdf` on the rows' cumulative sums ``[R, V]`` float64."""
+def _blocks(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights [R, V]`` and its blocks' cumulative sums ``[R, blocks]`` in float64:
+    blocks of :data:`BLOCK` entries, the last one shorter where ``V`` is not a multiple
+    (one block of ``V`` when ``V <= BLOCK``). A block is summed in the weights' dtype
+    (torch's cascaded sum: relative error ~``log2(BLOCK)`` float32 eps, below the
+    float32 rounding of the probabilities themselves), the blocks' running sum in float64."""
+    rows, vocab = weights.shape
+    full = vocab // BLOCK if vocab > BLOCK else 0
+    sums = [] if full == 0 else [weights[:, : full * BLOCK].reshape(rows, full, BLOCK).sum(-1)]
+    if vocab > full * BLOCK:
+        sums.append(weights[:, full * BLOCK:].sum(-1, keepdim=True))
+    return weights, (sums[0] if len(sums) == 1 else torch.cat(sums, dim=1)).double().cumsum(dim=-1)
+
+
+def _search(weights: torch.Tensor, cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """:func:`inverse_cdf` over :func:`_blocks`' output."""
     total = cumulative[:, -1:]
-    point = torch.minimum(uniform.to(cumulative).unsqueeze(-1) * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, point, right=True).squeeze(-1)
+    point = torch.minimum(uniform.to(cumulative).unsqueeze(-1) * total, _below(total))  # [R, 1]
+    block = torch.searchsorted(cumulative, point, right=True)  # [R, 1]: the first block past the point
+    if cumulative.shape[1] == 1:
+        inner, rest, start = weights, point, block
+    else:
+        before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
+        rest = point - before  # >= 0: the block before ends at or below the point
+        start = block * BLOCK
+        index = start + torch.arange(BLOCK, device=weights.device)  # [R, BLOCK]; past V only in the last block
+        inside = index < weights.shape[1]
+        inner = torch.where(inside, weights.gather(1, index.clamp(max=weights.shape[1] - 1)), 0.0)
+    within = torch.cumsum(inner, dim=-1, dtype=torch.float64)
+    rest = torch.minimum(rest, _below(within[:, -1:]))
+    return (start + torch.searchsorted(within, rest, right=True)).squeeze(-1)
+
+
+def _below(x: torch.Tensor) -> torch.Tensor:
+    """The largest float below each (positive) entry of ``x``."""
+    return x.nextafter(torch.zeros_like(x))
 
 
 def sample_next(
@@ -82,11 +123,11 @@ def sample_next(
         if top_k or top_p < 1.0:  # the kept tokens' probabilities, unnormalised
             kept = torch.isfinite(filter_logits(scaled, top_k=top_k, top_p=top_p))
             weights = torch.where(kept, weights, 0.0)
-        cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # [R, V]
+        weights, cumulative = _blocks(weights)
         _check_totals(cumulative[:, -1])
         device = generator.device if generator is not None else logits.device
         uniform = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator, device=device)
-        tokens = _search(cumulative, uniform.to(logits.device))
+        tokens = _search(weights, cumulative, uniform.to(logits.device))
     return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

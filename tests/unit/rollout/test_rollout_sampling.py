@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rltune.rollout.sampling import filter_logits, inverse_cdf, sample_next
+from rltune.rollout.sampling import BLOCK, filter_logits, inverse_cdf, sample_next
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -126,17 +126,54 @@ def test_inverse_cdf_by_hand(weights: list[float], uniform: float, expected: int
     assert out.tolist() == [expected]
 
 
-def test_inverse_cdf_never_returns_a_zero_weight_token() -> None:
+@pytest.mark.parametrize(
+    ("uniform", "expected"),
+    [(0.0, 5), (0.2499, 5), (0.25, BLOCK + 3), (0.7499, BLOCK + 3), (0.75, 2 * BLOCK + 9), (BELOW_ONE, 2 * BLOCK + 9)],
+)
+def test_inverse_cdf_across_blocks_by_hand(uniform: float, expected: int) -> None:
+    # three blocks, the last one 10 entries long; weights 1, 2, 1 at three entries: the
+    # running sum is 1 from 5, 3 from BLOCK + 3, 4 from 2 BLOCK + 9 (the vocabulary's last)
+    weights = torch.zeros(1, 2 * BLOCK + 10)
+    weights[0, [5, BLOCK + 3, 2 * BLOCK + 9]] = torch.tensor([1.0, 2.0, 1.0])
+    assert inverse_cdf(weights, torch.tensor([uniform], dtype=torch.float64)).tolist() == [expected]
+
+
+def test_inverse_cdf_skips_an_empty_block() -> None:
+    weights = torch.zeros(2, 3 * BLOCK)
+    weights[:, 7] = 1.0
+    weights[:, 2 * BLOCK] = 1.0  # the middle block holds nothing
+    out = inverse_cdf(weights, torch.tensor([0.4999, 0.5], dtype=torch.float64))
+    assert out.tolist() == [7, 2 * BLOCK]
+
+
+@pytest.mark.parametrize("vocab", [40, BLOCK, 2 * BLOCK + 300])
+def test_inverse_cdf_never_returns_a_zero_weight_token(vocab: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    weights = torch.rand(64, 40, generator=gen)
-    weights[torch.rand(64, 40, generator=gen) < 0.6] = 0.0
+    weights = torch.rand(64, vocab, generator=gen)
+    weights[torch.rand(64, vocab, generator=gen) < 0.6] = 0.0
     weights[:, 0] = 0.0  # never first, never last
     weights[:, -1] = 0.0
-    weights[:, 17] += 1e-30  # at least one positive weight a row (a denormal-sized share)
+    weights[:, 17] += 1e-30  # at least one positive weight a row (a tiny share)
     ends = torch.tensor([0.0, 1e-300, 0.5, BELOW_ONE], dtype=torch.float64)
     for u in (*ends, *torch.rand(50, dtype=torch.float64, generator=gen)):
         tokens = inverse_cdf(weights, u.expand(64))
         assert bool((weights.gather(1, tokens[:, None]) > 0).all())
+
+
+def test_inverse_cdf_agrees_with_one_float64_running_sum() -> None:
+    # the reference: one float64 running sum over the whole row, then the same search;
+    # the block totals are float32 sums (relative error ~1e-6), so a point within that
+    # of a token boundary may land on the neighbour: at 2,000 x 8 draws, a handful at most
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.softmax(torch.randn(8, 5 * BLOCK + 77, generator=gen) * 3, dim=-1)
+    weights[:, ::7] = 0.0
+    cumulative = weights.double().cumsum(-1)
+    agree = 0
+    for _ in range(2_000):
+        u = torch.rand(8, dtype=torch.float64, generator=gen)
+        reference = torch.searchsorted(cumulative, (u * cumulative[:, -1])[:, None], right=True).squeeze(1)
+        agree += int((inverse_cdf(weights, u) == reference).sum())
+    assert agree >= 16_000 - 16
 
 
 def test_sampled_frequencies_match_every_probability() -> None:
