@@ -4,8 +4,9 @@ Pure functions of tensors, shared by every generator that samples in torch.
 
 A token is drawn by inverting the distribution's cumulative sum (:func:`inverse_cdf`):
 one float64 uniform number a row, running sums, a binary search. It draws from the
-categorical distribution as exactly as the float32 probabilities define it, like
-``torch.multinomial``, and costs far less on a CPU: multinomial draws one exponential
+categorical distribution that the float32 probabilities define, up to the float32
+rounding of sums over blocks of them (relative ~1e-7), like ``torch.multinomial``, and
+costs far less on a CPU: multinomial draws one exponential
 variate per vocabulary entry (setting up a random stream a call), which for 8 rows of
 Qwen2's 152 k vocabulary takes ~40 ms a token; this takes a few ms
 (``benchmarks/sampling.py``, ``docs/performance.md``).
@@ -44,17 +45,18 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The token whose running weight first exceeds ``uniform`` of the row's total.
 
     ``weights [R, V]``: non-negative, finite, at least one positive a row (unnormalised
-    probabilities); ``uniform [R]``: float64 in ``[0, 1)``. Returns ``[R]`` long: the
-    smallest ``i`` with ``c_i > u c_V``, ``c`` the row's running sum.
+    probabilities); ``uniform [R]``: float64 in ``[0, 1)``. Returns ``[R]`` long.
 
     The search has two levels (:func:`_blocks`): the running sum of the blocks' totals
-    finds the block, and only that block's entries are summed one after another, in
-    float64; a float64 running sum over a whole row of 152 k entries is several times
-    slower. A token of weight 0 is never returned: its ``c_i`` equals ``c_{i-1}``, which
-    is not above the point if ``c_i`` is. The point is held below the row's total, and
-    inside the block below the block's own running total (which may differ from its
-    reduced sum by rounding), so rounding cannot step past the last token of positive
-    weight either."""
+    finds the block, and the point's place in that block, carried over to the block's own
+    float64 running sum, finds the entry; only one block is summed entry by entry (a
+    float64 running sum over a whole row of 152 k entries is several times slower). A
+    token's chance is then its share of its block's float64 sum times its block's share
+    of the row: the float32 weights' own shares, up to the float32 rounding of the
+    blocks' totals (relative error about ``log2(BLOCK)`` float32 eps, at most ``BLOCK``).
+    A token of weight 0 is never returned: its running sum equals the one before it,
+    which is not above the point if its own is, and the point is held below the block's
+    running total, so rounding cannot step past the block's last token of positive weight."""
     return _search(*_blocks(weights), uniform)
 
 
@@ -62,8 +64,7 @@ def _blocks(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weights [R, V]`` and its blocks' cumulative sums ``[R, blocks]`` in float64:
     blocks of :data:`BLOCK` entries, the last one shorter where ``V`` is not a multiple
     (one block of ``V`` when ``V <= BLOCK``). A block is summed in the weights' dtype
-    (torch's cascaded sum: relative error ~``log2(BLOCK)`` float32 eps, below the
-    float32 rounding of the probabilities themselves), the blocks' running sum in float64."""
+    (torch's cascaded sum), the blocks' running sum in float64."""
     rows, vocab = weights.shape
     full = vocab // BLOCK if vocab > BLOCK else 0
     sums = [] if full == 0 else [weights[:, : full * BLOCK].reshape(rows, full, BLOCK).sum(-1)]
@@ -75,19 +76,20 @@ def _blocks(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _search(weights: torch.Tensor, cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """:func:`inverse_cdf` over :func:`_blocks`' output."""
     total = cumulative[:, -1:]
+    # fl((1 - 2^-53) T) < T for T > 0, so this binds only for a uniform of 1 from a caller
     point = torch.minimum(uniform.to(cumulative).unsqueeze(-1) * total, _below(total))  # [R, 1]
     block = torch.searchsorted(cumulative, point, right=True)  # [R, 1]: the first block past the point
     if cumulative.shape[1] == 1:
-        inner, rest, start = weights, point, block
+        inner, start, before, mass = weights, block, 0.0, total
     else:
-        before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
-        rest = point - before  # >= 0: the block before ends at or below the point
         start = block * BLOCK
         index = start + torch.arange(BLOCK, device=weights.device)  # [R, BLOCK]; past V only in the last block
-        inside = index < weights.shape[1]
-        inner = torch.where(inside, weights.gather(1, index.clamp(max=weights.shape[1] - 1)), 0.0)
+        inner = torch.where(index < weights.shape[1], weights.gather(1, index.clamp(max=weights.shape[1] - 1)), 0.0)
+        before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
+        mass = cumulative.gather(1, block) - before  # > 0: the block ends above the point, which is at or past before
     within = torch.cumsum(inner, dim=-1, dtype=torch.float64)
-    rest = torch.minimum(rest, _below(within[:, -1:]))
+    own = within[:, -1:]
+    rest = torch.minimum((point - before) / mass * own, _below(own))
     return (start + torch.searchsorted(within, rest, right=True)).squeeze(-1)
 
 
@@ -113,6 +115,7 @@ def sample_next(
     float64 uniform number a row from ``generator`` (on the generator's device). Logits
     holding NaN or infinity (a broken model or input) are an error naming the rows.
     """
+    logits = logits.float()  # a half-precision row's sums would be off by its rounding (~0.4 % in bf16)
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -132,10 +135,12 @@ def sample_next(
 
 
 def _check_totals(totals: torch.Tensor) -> None:
-    """Each row's weights (``totals [R]``, their sums) sum to a finite, positive total:
-    NaN or infinite logits, or a row with every token masked, fail. Checked on the host,
-    since a draw from them would be meaningless."""
-    bad = ~(totals > 0) | totals.isinf()  # NaN > 0 is False
+    """Each row's weights (``totals [R]``, their sums; probabilities, so at most ``V``)
+    sum to a positive total: NaN or infinite logits (which make the row's log-softmax NaN)
+    or a row with every token masked fail. Checked on the host, since a draw from them
+    would be meaningless; on a GPU that is one more synchronisation a token, beside the
+    generator's own check that every row is done."""
+    bad = ~(totals > 0)  # NaN > 0 is False
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         raise ValueError(
