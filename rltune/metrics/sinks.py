@@ -50,7 +50,9 @@ def truncate_after_step(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # records end in "\n" alone: str.splitlines would also cut a line at a U+2028, U+0085
+    # or U+001C-1E inside a completion's text (written unescaped), and drop both halves
+    for line in path.read_text(encoding="utf-8").split("\n"):
         if not line.strip():
             continue
         try:

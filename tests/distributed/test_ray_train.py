@@ -71,7 +71,7 @@ def ray_run(cfg):
 
 def completions(run_dir: Path) -> list[tuple[int, str]]:
     """(step, completion) of every sample the run wrote, in order."""
-    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    lines = (run_dir / "samples.jsonl").read_text().split("\n")[:-1]
     return [(s["step"], s["completion"]) for s in map(json.loads, lines)]
 
 
@@ -231,7 +231,7 @@ def learned_prompts(run_dir: Path, group_size: int = 8) -> dict[int, list[str]]:
     """Per step, the prompts whose samples were learned (from samples.jsonl); each with
     exactly ``group_size`` samples (none lost, none twice)."""
     counts: dict[int, Counter] = defaultdict(Counter)
-    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+    for line in (run_dir / "samples.jsonl").read_text().split("\n")[:-1]:
         row = json.loads(line)
         counts[row["step"]][row["prompt_id"]] += 1
     for step, per_prompt in counts.items():

@@ -49,7 +49,7 @@ def test_a_resumed_run_learns_every_prompt_once(tiny_grpo_config) -> None:
     resumed = build_run(tiny_grpo_config(*overrides))
     train(resumed)
     learned = defaultdict(list)
-    for line in (resumed.run_dir / "samples.jsonl").read_text().splitlines():
+    for line in (resumed.run_dir / "samples.jsonl").read_text().split("\n")[:-1]:
         row = json.loads(line)
         if row["prompt_id"] not in learned[row["step"]]:
             learned[row["step"]].append(row["prompt_id"])

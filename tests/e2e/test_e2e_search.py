@@ -66,7 +66,7 @@ def _grpo(warm: Path, log_dir: Path, *overrides: str, steps: int = RL_STEPS) -> 
     run = build_run(cfg)
     train(run)
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().split("\n")[:-1]]
     return rows, samples
 
 

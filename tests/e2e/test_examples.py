@@ -29,7 +29,7 @@ def _run(name: str, tmp_path: Path) -> tuple[list[dict], list[dict]]:
     cfg = load_config(config, ["train.steps=3", "train.threads=1", f"log.dir={tmp_path}", "log.console=false"])
     run = build_run(cfg, config_dir=config.parent)
     history = train(run)
-    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().split("\n")[:-1]]
     return history, samples
 
 

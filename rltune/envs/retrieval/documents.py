@@ -23,7 +23,9 @@ def load_documents(path: str | os.PathLike[str]) -> list[Document]:
     """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # JSON Lines ends a line at "\n" (a "\r" before it is JSON whitespace); str.splitlines
+        # would also cut one at a U+2028 or U+0085 inside a string, which JSON allows unescaped
+        lines = path.read_text(encoding="utf-8").split("\n")
     except FileNotFoundError:
         raise CorpusError(f"{path}: no such corpus file") from None
     docs: list[Document] = []

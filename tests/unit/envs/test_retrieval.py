@@ -367,6 +367,19 @@ def test_load_documents_reads_ids_text_and_meta(tmp_path):
                                     Document("2", "beta", {})]
 
 
+def test_load_documents_keeps_line_separators_inside_strings(tmp_path):
+    # JSON lets U+2028, U+2029 and U+0085 stand unescaped in a string; only "\n" ends a
+    # line (a "\r" before it is whitespace), so the next row is still line 2
+    text = "one\u2028two\u2029three\x85four"
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "1", "text": text}, ensure_ascii=False) + "\r\n"
+                    + '{"id": "1", "text": "again"}\n', encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: id '1' already used on line 1"):
+        load_documents(path)
+    path.write_text(json.dumps({"id": "1", "text": text}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_documents(path) == [Document("1", text, {})]
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"id": "2", "text": ', r"c.jsonl:2: invalid JSON"),
     ('["2", "beta"]', r"c.jsonl:2: a row is a JSON object, got list"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rltune.config.schema import Config
-from rltune.metrics.sinks import JsonlWriter
+from rltune.metrics.sinks import JsonlWriter, truncate_after_step
 from rltune.metrics.types import Histogram, Max, Sum
 from rltune.runtime.sinks import MetricSinks, SinkError, open_sinks
 
@@ -72,3 +72,17 @@ def test_a_sink_that_cannot_start_is_an_error_naming_it(tmp_path: Path) -> None:
     cfg = Config(name="x", reward=REWARD, log={"mlflow": {"tracking_uri": "nosuchscheme://x"}})
     with pytest.raises(SinkError, match=r"log\.mlflow: could not start the mlflow sink"):
         open_sinks(cfg, tmp_path, resume_after_step=None)
+
+
+def test_a_resume_keeps_records_whose_text_holds_line_separators(tmp_path: Path) -> None:
+    # a completion may decode to U+2028, U+0085 or U+001C-1E; written unescaped (or, for
+    # U+001C-1E, as \u escapes), they must not split the record when a resume rereads
+    # the file: only records after the resumed step go
+    path = tmp_path / "samples.jsonl"
+    writer = JsonlWriter(path)
+    rows = [{"step": step, "completion": f"a\u2028b\x85c\x1cd\u2029{step}"} for step in (1, 2, 3)]
+    for row in rows:
+        writer.write(row)
+    writer.close()
+    truncate_after_step(path, 2)
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")[:-1]] == rows[:2]
