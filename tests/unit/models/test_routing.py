@@ -202,7 +202,10 @@ def test_replay_routes_through_the_recorded_experts_after_the_router_changed(moe
     install_routing(plain, replay=False)
     free = completion_logprobs(plain, batch.input_ids, batch.attention_mask, batch.prompt_len, routes=batch.routes)
     assert not torch.allclose(free.logprobs, out.logprobs, atol=1e-4)
-    assert torch.equal(free.route_agreement, out.route_agreement)  # compared the same way
+    # counted over the same (token, layer) pairs; the matches may differ, since without
+    # replay the layers after the first see other hidden states, so their routers choose
+    # otherwise
+    assert free.route_agreement[1] == out.route_agreement[1]
 
 
 def test_replay_gradient_reaches_the_router_and_the_replayed_experts(moe) -> None:
