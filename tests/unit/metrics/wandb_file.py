@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -77,12 +78,27 @@ def config(records: list[Any]) -> dict[str, Any]:
     return merged
 
 
-def run_files(run_dir: Path, run_id: str) -> list[Path]:
-    """The ``.wandb`` files of ``run_id`` in the order the runs started."""
+def run_files(run_dir: Path, run_id: str, *, wait_s: float = 30.0) -> list[Path]:
+    """The ``.wandb`` files of ``run_id`` in the order the runs started, each once it
+    holds its ``exit`` record. W&B's service process writes the offline file on its own:
+    now and then ``run.finish()`` returns while the file still holds only its 7-byte
+    header, and the records land moments later, so each file is polled (up to ``wait_s``
+    seconds; after that it is read as it is and the caller's checks report what is missing)."""
     paths = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb"))
+    deadline = time.monotonic() + wait_s
+    for path in paths:
+        while time.monotonic() < deadline and not _finished(path):
+            time.sleep(0.05)
 
     def started(path: Path) -> tuple[int, int]:
         run = next(r.run for r in read_records(path) if r.WhichOneof("record_type") == "run")
         return run.start_time.seconds, run.start_time.nanos
 
     return sorted(paths, key=started)
+
+
+def _finished(path: Path) -> bool:
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in read_records(path))
+    except AssertionError:  # a chunk still being written fails its crc
+        return False
