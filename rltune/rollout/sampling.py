@@ -57,20 +57,20 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     A token of weight 0 is never returned: its running sum equals the one before it,
     which is not above the point if its own is, and the point is held below the block's
     running total, so rounding cannot step past the block's last token of positive weight."""
-    return _search(*_blocks(weights), uniform)
+    return _search(weights, _blocks(weights), uniform)
 
 
-def _blocks(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weights [R, V]`` and its blocks' cumulative sums ``[R, blocks]`` in float64:
-    blocks of :data:`BLOCK` entries, the last one shorter where ``V`` is not a multiple
-    (one block of ``V`` when ``V <= BLOCK``). A block is summed in the weights' dtype
+def _blocks(weights: torch.Tensor) -> torch.Tensor:
+    """The cumulative sums ``[R, blocks]`` in float64 of ``weights [R, V]``'s blocks of
+    :data:`BLOCK` entries, the last one shorter where ``V`` is not a multiple (one block
+    of ``V`` when ``V < BLOCK``). A block is summed in the weights' dtype
     (torch's cascaded sum), the blocks' running sum in float64."""
     rows, vocab = weights.shape
-    full = vocab // BLOCK if vocab > BLOCK else 0
+    full = vocab // BLOCK
     sums = [] if full == 0 else [weights[:, : full * BLOCK].reshape(rows, full, BLOCK).sum(-1)]
     if vocab > full * BLOCK:
         sums.append(weights[:, full * BLOCK:].sum(-1, keepdim=True))
-    return weights, (sums[0] if len(sums) == 1 else torch.cat(sums, dim=1)).double().cumsum(dim=-1)
+    return (sums[0] if len(sums) == 1 else torch.cat(sums, dim=1)).double().cumsum(dim=-1)
 
 
 def _search(weights: torch.Tensor, cumulative: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ def sample_next(
         if top_k or top_p < 1.0:  # the kept tokens' probabilities, unnormalised
             kept = torch.isfinite(filter_logits(scaled, top_k=top_k, top_p=top_p))
             weights = torch.where(kept, weights, 0.0)
-        weights, cumulative = _blocks(weights)
+        cumulative = _blocks(weights)
         _check_totals(cumulative[:, -1])
         device = generator.device if generator is not None else logits.device
         uniform = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator, device=device)
