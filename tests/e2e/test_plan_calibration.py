@@ -7,6 +7,16 @@ calibration and the runs alike; nothing here depends on this machine's absolute 
 Each config's predicted step time (``rltune.plan.timing.step_time`` for the candidate that
 describes the run, on the calibrated CPU cluster) must be within 25 % of its measured
 median step time.
+
+The statistic is the median over the rounds of each round's error with the machine's speed
+drift removed (``validate``). One round is one sample of a noisy quantity: on a shared
+2-core machine whose speed moved by up to 1.5x within a minute, 14 single rounds of the
+tiny config gave -27 % to +0 % (mean -12.7 %, sd 7.1 %; one past 25 %) and 13 of the 3m
+config -21 % to +11 %. The mean is the model's bias on this CPU: the run's scoring and
+bookkeeping (~9 ms of a ~250 ms step) are not in the model, and the rest is what a real run
+does that the probes, each measured alone, do not. The default test takes three rounds:
+the median of three has about 0.67 of one round's spread (for a normal spread), which puts
+25 % about 2.6 of its spreads past the tiny config's bias instead of 1.7.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ def _check(rows: list[dict]) -> None:
 @pytest.mark.usefixtures("keep_torch_threads")
 def test_two_local_runs_of_two_sizes_are_predicted_within_25_percent(tmp_path: Path) -> None:
     setups = tuple(s for s in validation.SETUPS if s.name in validation.QUICK)
-    _check(validation.validate(setups, tmp_path, rounds=1, steps=6))
+    _check(validation.validate(setups, tmp_path, rounds=3, steps=6))
     # the calibration file the rounds used: versioned, the machine described, constants fitted
     path = tmp_path / "calibration-0.json"
     doc = json.loads(path.read_text())
