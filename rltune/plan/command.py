@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", type=Path, default=None, help="the cluster as a YAML file (instead of the flags)")
     p.add_argument("--calibration", type=Path, default=None,
                    help="constants fitted by --calibrate (its CPU cluster unless --gpus changes the count)")
+    p.add_argument("--score-s", type=float, default=None,
+                   help="seconds the reward takes a sample, the run's reward workers together (time/score "
+                        "of a run over its samples a step; default: the calibration's, else 0)")
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--write", type=Path, default=None, help="write the config with the best plan merged in")
@@ -53,8 +57,9 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     given = [f"--{f.replace('_', '-')}" for f in CLUSTER_FLAGS if getattr(args, f) is not None]
     problems = []
     if args.calibrate:
-        others = given + [f"--{f}" for f in ("config", "write", "cluster", "calibration", "json")
-                          if (getattr(args, f) not in (None, False))]
+        others = given + [f"--{f.replace('_', '-')}"
+                          for f in ("config", "write", "cluster", "calibration", "json", "score_s")
+                          if getattr(args, f) is not None and getattr(args, f) is not False]
         if others:
             problems.append(f"--calibrate measures this machine and writes --out; it takes no {', '.join(others)}")
         return problems
@@ -75,11 +80,18 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")
     if args.max_staleness is not None and args.max_staleness < 0:
         problems.append(f"--max-staleness {args.max_staleness}: must be 0 or more")
+    if args.score_s is not None and not (math.isfinite(args.score_s) and args.score_s >= 0):
+        problems.append(f"--score-s {args.score_s}: must be a finite number of seconds, 0 or more")
     return problems
 
 
 def cluster_and_efficiency(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The ``Cluster`` and ``Efficiency`` the flags describe."""
+    """The ``Cluster`` and ``Efficiency`` the flags describe, ``--score-s`` set in the latter."""
+    cluster, eff = _cluster_and_efficiency(args)
+    return cluster, eff if args.score_s is None else dataclasses.replace(eff, score_s=args.score_s)
+
+
+def _cluster_and_efficiency(args: argparse.Namespace) -> tuple[Any, Any]:
     from rltune.plan.spec import Efficiency
 
     if args.calibration is not None:

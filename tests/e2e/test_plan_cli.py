@@ -113,6 +113,8 @@ def test_gpu_plan_writes_a_layout_rltune_accepts(tmp_path, capsys):
     (["--gpus", "8", "--top", "0"], "--top 0: must be at least 1"),
     ([], "describe the cluster: --gpus N"),
     (["--gpus", "8", "--out", "x.json"], "--out is where --calibrate saves"),
+    (["--gpus", "8", "--score-s", "-0.5"], "--score-s -0.5: must be a finite number of seconds, 0 or more"),
+    (["--gpus", "8", "--score-s", "nan"], "--score-s nan: must be a finite number of seconds, 0 or more"),
 ])
 def test_contradictory_flags(tmp_path, capsys, argv, message):
     assert message in fails(capsys, ["plan", str(_llama_config(tmp_path)), *argv])
@@ -121,6 +123,38 @@ def test_contradictory_flags(tmp_path, capsys, argv, message):
 def test_write_with_calibrate(tmp_path, capsys):
     assert "--calibrate measures this machine and writes --out; it takes no --write" in \
         fails(capsys, ["plan", "--calibrate", "--write", str(tmp_path / "o.yaml")])
+
+
+def test_score_s_with_calibrate(tmp_path, capsys):
+    assert "--calibrate measures this machine and writes --out; it takes no --score-s" in \
+        fails(capsys, ["plan", "--calibrate", "--score-s", "0"])  # 0 too: given is given
+
+
+def _plans(capsys, argv: list[str]) -> list[dict]:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)["plans"]
+
+
+@pytest.mark.parametrize("cluster", ["gpus", "calibration"])
+def test_score_s_is_the_reward_time_of_every_sample(tmp_path, capsys, digit_reward_file, cluster):
+    """``--score-s`` replaces ``Efficiency.score_s`` (0 by default and in the calibration
+    file): every plan's scoring phase is it times the step's samples (64 prompts x 8 for
+    the Llama config, 2 x 2 for the tiny one), and a colocated plan's step grows by as much."""
+    if cluster == "gpus":
+        argv, samples = ["plan", str(_llama_config(tmp_path)), "--gpus", "8", "--json"], 64 * 8
+    else:
+        argv, samples = ["plan", str(_tiny_config(tmp_path, digit_reward_file)), "--calibration",
+                         str(_cpu_calibration(tmp_path)), "--json"], 2 * 2
+    plain, scored = _plans(capsys, argv), _plans(capsys, [*argv, "--score-s", "0.01"])
+    assert all(p["time_s"]["score"] == 0.0 for p in plain)
+    assert scored and all(p["time_s"]["score"] == pytest.approx(0.01 * samples, rel=1e-12) for p in scored)
+    # the config's staleness is 0, so every plan is synchronous and nothing hides the scoring
+    assert all(p["layout"]["max_staleness"] == 0 for p in plain + scored)
+    steps = {json.dumps(p["layout"], sort_keys=True): p["step_s"] for p in plain}
+    compared = [(p["step_s"], steps[key]) for p in scored if (key := json.dumps(p["layout"], sort_keys=True)) in steps]
+    assert compared
+    for after, before in compared:
+        assert after == pytest.approx(before + 0.01 * samples, rel=1e-9)
 
 
 def test_unknown_model_lists_the_catalogue(tmp_path, capsys):
