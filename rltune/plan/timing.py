@@ -27,7 +27,7 @@ import math
 
 from rltune.plan import catalogue
 from rltune.plan.collectives import GIGA, all_gather_s, all_reduce_s, all_to_all_s, link_bandwidth
-from rltune.plan.sample_work import learner_sample_work, sequence_flops, shares_prompts  # noqa: F401 (re-exported)
+from rltune.plan.sample_work import learner_sample_work, sequence_flops, shares_prompts
 from rltune.plan.spec import Candidate, Cluster, Efficiency, ModelSpec, StepTime, Workload
 
 TERA = 1e12
@@ -117,12 +117,15 @@ def learner_forwards(spec: ModelSpec, work: Workload, cand: Candidate, cluster: 
                      passes: float) -> float:
     """Seconds of ``passes`` forward-equivalents over the step's batch on one learner rank:
     ``samples x sequence_flops / world`` at ``eff.train_mfu``, plus ``eff.layer_overhead_s``
-    per local layer per micro-batch per pass, plus ``eff.token_overhead_s`` per token per
+    per local layer call (each micro-batch's pass calls every local layer once, twice where
+    the prompts run once per group: the prompts' forward, then the completions' against
+    their cache, :func:`shares_prompts`), plus ``eff.token_overhead_s`` per token per
     local layer per pass (the element-wise work that grows with the tokens)."""
     linear, attention, sample_tokens = learner_sample_work(spec, work, cand)
     scale = passes * work.samples_per_step / cand.learner.world
     flops = compute_seconds(scale * linear, scale * attention, cluster, work.precision, eff.train_mfu)
-    calls = passes * micro_batches(work, cand) * work.minibatches * _layers_local(spec, cand)
+    forwards = 2 if shares_prompts(spec, work, cand) else 1
+    calls = passes * forwards * micro_batches(work, cand) * work.minibatches * _layers_local(spec, cand)
     tokens = scale * sample_tokens * _layers_local(spec, cand)
     return flops + eff.layer_overhead_s * calls + eff.token_overhead_s * tokens
 
