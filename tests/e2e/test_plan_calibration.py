@@ -4,19 +4,24 @@ Each test calibrates (``rltune.plan.calibrate.run_calibration``, quick) and runs
 training steps of built-in-model configs in the same process, interleaved round after
 round (``benchmarks/plan_validate.py``), so the machine's speed and load reach the
 calibration and the runs alike; nothing here depends on this machine's absolute timings.
-Each config's predicted step time (``rltune.plan.timing.step_time`` for the candidate that
-describes the run, on the calibrated CPU cluster) must be within 25 % of its measured
-median step time.
+The statistic is, for each config, the median over the rounds of each round's error of the
+predicted step time (``rltune.plan.timing.step_time`` for the candidate that describes
+the run, on the calibrated CPU cluster) against the measured median step time, with the
+machine's speed drift removed (``validate``).
 
-The statistic is the median over the rounds of each round's error with the machine's speed
-drift removed (``validate``). One round is one sample of a noisy quantity: on a shared
-2-core machine whose speed moved by up to 1.5x within a minute, 14 single rounds of the
-tiny config gave -27 % to +0 % (mean -12.7 %, sd 7.1 %; one past 25 %) and 13 of the 3m
-config -21 % to +11 %. The mean is the model's bias on this CPU: the run's scoring and
-bookkeeping (~9 ms of a ~250 ms step) are not in the model, and the rest is what a real run
-does that the probes, each measured alone, do not. The default test takes three rounds:
-the median of three has about 0.67 of one round's spread (for a normal spread), which puts
-25 % about 2.6 of its spreads past the tiny config's bias instead of 1.7.
+The planner's accuracy, 25 %, is checked by the slow tests, which take every config and
+want a quiet machine (``docs/plan.md``). The default test is the fast representative, and
+its bound is what three rounds of about a minute can resolve on a shared 2-core machine:
+that machine's speed moved by up to 1.5x within a minute, so one round is a noisy sample.
+Thirty-five rounds of each default config, taken over an hour of changing load (before
+the timing model counted the shared-prompt path's second forward, ~+2 points), gave
+drift-removed errors of mean -11.9 %, sd 17.1 % (tiny) and mean -3.8 %, sd 21.0 % (3m),
+from -49 % to +65 %; 23 % of single rounds of either config were past 25 %. Over all
+triples of those rounds, the median of three is past 25 % with probability 0.11 (tiny)
+and 0.08 (3m), past 40 % with 0.005 and 0.009, past 50 % with 0 and 0.002. So the default
+bound is 50 %: a run of the suite fails by noise about once in 400, while a cost model
+off by more than a factor of two either way (a unit, a missing phase, a fit gone wrong) is
+outside it.
 """
 
 from __future__ import annotations
@@ -33,19 +38,22 @@ import plan_validate as validation  # noqa: E402
 from rltune.plan.calibrate import CALIBRATION_VERSION, FITTED, load_calibration  # noqa: E402
 
 TOLERANCE = 0.25
+"""The planner's accuracy on a quiet machine (the slow tests)."""
+DEFAULT_TOLERANCE = 0.50
+"""What the default test's three rounds resolve on a shared machine (module docstring)."""
 
 
-def _check(rows: list[dict]) -> None:
+def _check(rows: list[dict], tolerance: float = TOLERANCE) -> None:
     shown = validation.table(rows)
     print(shown)
     for row in rows:
-        assert abs(row["error"]) <= TOLERANCE, f"{row['config']} off by {row['error']:+.1%}\n{shown}"
+        assert abs(row["error"]) <= tolerance, f"{row['config']} off by {row['error']:+.1%}\n{shown}"
 
 
 @pytest.mark.usefixtures("keep_torch_threads")
-def test_two_local_runs_of_two_sizes_are_predicted_within_25_percent(tmp_path: Path) -> None:
+def test_two_local_runs_of_two_sizes_are_predicted_within_what_three_rounds_resolve(tmp_path: Path) -> None:
     setups = tuple(s for s in validation.SETUPS if s.name in validation.QUICK)
-    _check(validation.validate(setups, tmp_path, rounds=3, steps=6))
+    _check(validation.validate(setups, tmp_path, rounds=3, steps=6), DEFAULT_TOLERANCE)
     # the calibration file the rounds used: versioned, the machine described, constants fitted
     path = tmp_path / "calibration-0.json"
     doc = json.loads(path.read_text())
