@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from rltune.config import load_config  # noqa: E402
 from rltune.data.sampler import PromptSampler  # noqa: E402
+from rltune.metrics.jsonl import JsonlReader  # noqa: E402
 from rltune.runtime.build import build_run as build_with_roles  # noqa: E402
 from rltune.runtime.local import build_run  # noqa: E402
 from rltune.runtime.loop import train  # noqa: E402
@@ -71,8 +72,7 @@ def ray_run(cfg):
 
 def completions(run_dir: Path) -> list[tuple[int, str]]:
     """(step, completion) of every sample the run wrote, in order."""
-    lines = (run_dir / "samples.jsonl").read_text().split("\n")[:-1]
-    return [(s["step"], s["completion"]) for s in map(json.loads, lines)]
+    return [(s["step"], s["completion"]) for _, s in JsonlReader(run_dir / "samples.jsonl")]
 
 
 def rises(history: list[dict]) -> tuple[float, float]:
@@ -231,8 +231,7 @@ def learned_prompts(run_dir: Path, group_size: int = 8) -> dict[int, list[str]]:
     """Per step, the prompts whose samples were learned (from samples.jsonl); each with
     exactly ``group_size`` samples (none lost, none twice)."""
     counts: dict[int, Counter] = defaultdict(Counter)
-    for line in (run_dir / "samples.jsonl").read_text().split("\n")[:-1]:
-        row = json.loads(line)
+    for _, row in JsonlReader(run_dir / "samples.jsonl"):
         counts[row["step"]][row["prompt_id"]] += 1
     for step, per_prompt in counts.items():
         assert set(per_prompt.values()) == {group_size}, (step, per_prompt)

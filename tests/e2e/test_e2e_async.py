@@ -16,6 +16,7 @@ import pytest
 
 from rltune.checkpoint.store import latest_checkpoint, load_checkpoint
 from rltune.data.sampler import PromptSampler
+from rltune.metrics.jsonl import JsonlReader
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
 
@@ -49,8 +50,7 @@ def test_a_resumed_run_learns_every_prompt_once(tiny_grpo_config) -> None:
     resumed = build_run(tiny_grpo_config(*overrides))
     train(resumed)
     learned = defaultdict(list)
-    for line in (resumed.run_dir / "samples.jsonl").read_text().split("\n")[:-1]:
-        row = json.loads(line)
+    for _, row in JsonlReader(resumed.run_dir / "samples.jsonl"):
         if row["prompt_id"] not in learned[row["step"]]:
             learned[row["step"]].append(row["prompt_id"])
     sampler = PromptSampler(len(resumed.train_prompts), seed=resumed.cfg.train.seed, shuffle=True)

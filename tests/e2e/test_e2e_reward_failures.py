@@ -4,12 +4,12 @@ never zeros, and a hung call costs its timeout, not the run."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
+from rltune.metrics.jsonl import JsonlReader
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
 
@@ -59,7 +59,7 @@ def test_raising_hanging_and_none_rewards_are_errors_not_zeros(tmp_path: Path, t
     finally:
         run.scorer.close()
     elapsed = time.perf_counter() - start
-    rows = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().split("\n")[:-1]]
+    rows = [row for _, row in JsonlReader(run.run_dir / "samples.jsonl")]
     assert len(rows) == 3 * 8 * 8
     errors = [r for r in rows if r["reward_error"] is not None]
     kinds = {

@@ -20,6 +20,7 @@ import pytest
 
 from rltune.config import load_config
 from rltune.data.tasks.lookup import lookup_documents
+from rltune.metrics.jsonl import JsonlReader
 from rltune.runtime.local import build_run, run_local
 from rltune.runtime.loop import train
 
@@ -66,7 +67,7 @@ def _grpo(warm: Path, log_dir: Path, *overrides: str, steps: int = RL_STEPS) -> 
     run = build_run(cfg)
     train(run)
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().split("\n")[:-1]]
+    samples = [row for _, row in JsonlReader(run.run_dir / "samples.jsonl")]
     return rows, samples
 
 

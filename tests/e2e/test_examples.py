@@ -3,12 +3,12 @@ under 30, each trained for a few steps from its own config, as a user would run 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from rltune.config import load_config
+from rltune.metrics.jsonl import JsonlReader
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
 
@@ -29,7 +29,7 @@ def _run(name: str, tmp_path: Path) -> tuple[list[dict], list[dict]]:
     cfg = load_config(config, ["train.steps=3", "train.threads=1", f"log.dir={tmp_path}", "log.console=false"])
     run = build_run(cfg, config_dir=config.parent)
     history = train(run)
-    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().split("\n")[:-1]]
+    samples = [row for _, row in JsonlReader(run.run_dir / "samples.jsonl")]
     return history, samples
 
 

@@ -14,6 +14,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from rltune.config import load_config
+from rltune.metrics.jsonl import JsonlReader
 from rltune.models.load import load_model, load_processor
 from rltune.models.tiny_vl import TINY_VL_SPECS, build_tiny_vl
 from rltune.runtime.local import run_local
@@ -76,5 +77,5 @@ def test_llava_directory_trains_grpo_on_image_prompts(tmp_path: Path) -> None:
     assert moved and all(k.startswith("model.language_model.") or k == "lm_head.weight" for k in moved)
     assert all(torch.equal(after[k], before[k]) for k in before if k.startswith(vision))
     assert type(load_processor(str(run.run_dir / "final"))).__name__ == "LlavaProcessor"
-    samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().split("\n")[:-1]]
+    samples = [row for _, row in JsonlReader(run.run_dir / "samples.jsonl")]
     assert {Path(s["images"][0]["source"]).name for s in samples} <= {f"{c}.png" for c in COLOURS}
