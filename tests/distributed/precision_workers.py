@@ -4,6 +4,7 @@ processes: top-level functions only)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from rltune.learner.objectives import build_objective
 from rltune.learner.parallel import Parallelism, make_parallelism
 from rltune.metrics.types import scalars
 from rltune.models.load import load_model
+from rltune.runtime.state import apply_learner_state, sharded_learner_state
 
 
 def fp16_learner(model: torch.nn.Module, parallelism: Parallelism | None = None) -> LocalLearner:
@@ -84,3 +86,36 @@ def fp16_reference(model_path: str) -> dict:
     model_dir = resolve_model(model_path)
     batch = make_batch(load_model(model_dir))
     return three_steps(fp16_learner(load_model(model_dir)), batch, blown_up(batch))
+
+
+def fp16_sharded_resume(model_dir: str, batch: TrainBatch, directory: str) -> dict:
+    """One rank of an FSDP2 fp16 group: a step and an overflowing one (the scale halved,
+    one overflow counted), a sharded checkpoint (DCP shards, the scaler's state in the
+    counters), then one more step; a fresh group loads the checkpoint and takes that
+    step; a control loads it without the scaler's state."""
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard, overflow = shard_batch(batch, rank, world), shard_batch(blown_up(batch), rank, world)
+
+    def fsdp2() -> LocalLearner:
+        return fp16_learner(load_model(model_dir), make_parallelism("fsdp2"))
+
+    def weights(learner: LocalLearner) -> dict:
+        return {k: v.clone() for k, v in learner.export_weights().items()}
+
+    first = fsdp2()
+    before = [scalars(first.step(b)) for b in (shard, overflow)]
+    _, meta = sharded_learner_state(first, "", Path(directory))
+    out = {"before": before, "meta": meta, "uninterrupted": scalars(first.step(shard)),
+           "uninterrupted_weights": weights(first), "state": first.precision.state_dict()}
+    resumed = fsdp2()
+    apply_learner_state(resumed, {}, meta, Path(directory), "")
+    out["loaded_state"] = resumed.precision.state_dict()
+    out["resumed"] = scalars(resumed.step(shard))
+    out["resumed_weights"] = weights(resumed)
+    out["resumed_state"] = resumed.precision.state_dict()
+    control = fsdp2()
+    counters = {k: v for k, v in meta["learner"].items() if k != "precision"}
+    apply_learner_state(control, {}, {**meta, "learner": counters}, Path(directory), "")
+    out["control"] = scalars(control.step(shard))
+    return out

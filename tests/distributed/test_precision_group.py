@@ -1,13 +1,16 @@
 """fp16 in a learner group (gloo, 2 ranks): DDP (``torch.amp.GradScaler``) and FSDP2
 (``ShardedGradScaler``) take the same steps as one fp16 process on the whole batch: the
 same overflow skipped on every rank, the same loss scale, the same weights within the
-tolerance below; the per-shard-denominator control does not."""
+tolerance below; the per-shard-denominator control does not. An FSDP2 group resumed from
+its sharded checkpoint takes the step the group that did not stop takes, to the bit,
+with the loss scale it had."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from precision_workers import blown_up, fp16_group_run, fp16_learner, fp16_mesh_run, fp16_reference, three_steps
+from precision_workers import (blown_up, fp16_group_run, fp16_learner, fp16_mesh_run, fp16_reference,
+                               fp16_sharded_resume, three_steps)
 
 from learner_group_workers import LR, make_batch
 from rltune.learner.launch import spawn_learner_group
@@ -122,3 +125,29 @@ def test_fp16_mesh_layout_equals_one_process(model_path: str, layout: dict) -> N
         assert [m["train/skipped_overflow"] for m in rank["metrics"]] == [0.0, 1.0, 0.0]
         assert [m["train/loss_scale"] for m in rank["metrics"]] == [m["train/loss_scale"] for m in want["metrics"]]
         assert max_abs_diff(rank["weights"], want["weights"]) < TOL
+
+
+# --------------------------------------------------------------------------- sharded resume
+
+
+@pytest.mark.slow  # ~25 s, mostly starting the processes
+def test_fp16_fsdp2_resume_is_the_group_that_did_not_stop(model_dir: str, batch, tmp_path) -> None:
+    """Saved after an overflow (scale 2^15, one overflow counted), the FSDP2 group's
+    sharded checkpoint carries the scaler's state: the resumed group's next step equals
+    the uninterrupted one to the bit (same layout, same arithmetic), loss scale and
+    overflow count included. The control, resumed without the scaler's state, starts
+    again from 2^16, which its step's loss scale shows."""
+    ranks = spawn_learner_group(2, fp16_sharded_resume, model_dir, batch, str(tmp_path),
+                                backend="gloo", timeout_s=300)
+    for rank in ranks:
+        assert [m["train/skipped_overflow"] for m in rank["before"]] == [0.0, 1.0]
+        saved = rank["meta"]["learner"]["precision"]
+        assert saved == {"scale": 2.0**15, "growth_tracker": 0, "overflows": 1}
+        assert rank["loaded_state"] == saved
+        assert rank["resumed"] == rank["uninterrupted"]
+        assert rank["resumed"]["train/loss_scale"] == 2.0**15 and rank["resumed"]["skipped"] == 0.0
+        assert rank["resumed_state"] == rank["state"]
+        changed = [k for k in rank["uninterrupted_weights"]
+                   if not torch.equal(rank["resumed_weights"][k], rank["uninterrupted_weights"][k])]
+        assert changed == []
+        assert rank["control"]["train/loss_scale"] == 2.0**16
