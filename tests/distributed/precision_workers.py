@@ -19,7 +19,9 @@ from rltune.learner.objectives import build_objective
 from rltune.learner.parallel import Parallelism, make_parallelism
 from rltune.metrics.types import scalars
 from rltune.models.load import load_model
-from rltune.runtime.state import apply_learner_state, sharded_learner_state
+from rltune.parallel.layout import Layout
+from rltune.parallel.strategy import MeshParallelism
+from rltune.runtime.ray.fsdp_state import rank_checkpoint_state, rank_load_checkpoint_state
 
 
 def fp16_learner(model: torch.nn.Module, parallelism: Parallelism | None = None) -> LocalLearner:
@@ -88,34 +90,44 @@ def fp16_reference(model_path: str) -> dict:
     return three_steps(fp16_learner(load_model(model_dir)), batch, blown_up(batch))
 
 
-def fp16_sharded_resume(model_dir: str, batch: TrainBatch, directory: str) -> dict:
-    """One rank of an FSDP2 fp16 group: a step and an overflowing one (the scale halved,
-    one overflow counted), a sharded checkpoint (DCP shards, the scaler's state in the
-    counters), then one more step; a fresh group loads the checkpoint and takes that
-    step; a control loads it without the scaler's state."""
+
+def fp16_resume(model_dir: str, batch: TrainBatch, layout: str, directory: str) -> dict:
+    """One rank of a two-rank fp16 group, ``layout`` ``fsdp2`` (the FSDP2 strategy,
+    whose checkpoint is gathered into one file on rank 0) or ``dp_shard`` (FSDP2 over a
+    device mesh, which writes DCP shards into ``directory``): a step and an overflowing
+    one (the scale halved, one overflow counted), a checkpoint written and read as the
+    Ray learner group does (``rank_checkpoint_state``, ``rank_load_checkpoint_state``),
+    then one more step; a fresh group loads the checkpoint and takes that step; a
+    control loads it without the scaler's state."""
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     shard, overflow = shard_batch(batch, rank, world), shard_batch(blown_up(batch), rank, world)
 
-    def fsdp2() -> LocalLearner:
-        return fp16_learner(load_model(model_dir), make_parallelism("fsdp2"))
+    def build() -> LocalLearner:
+        parallelism = make_parallelism("fsdp2") if layout == "fsdp2" else MeshParallelism(Layout(dp_shard=2))
+        return fp16_learner(load_model(model_dir), parallelism)
 
     def weights(learner: LocalLearner) -> dict:
         return {k: v.clone() for k, v in learner.export_weights().items()}
 
-    first = fsdp2()
+    def load(learner: LocalLearner, meta: dict) -> None:
+        rank_load_checkpoint_state(learner, layout, tensors, meta, Path(directory), "")
+
+    first = build()
     before = [scalars(first.step(b)) for b in (shard, overflow)]
-    _, meta = sharded_learner_state(first, "", Path(directory))
-    out = {"before": before, "meta": meta, "uninterrupted": scalars(first.step(shard)),
+    # rank 0 gets the state (the driver's part in a Ray run); every rank loads it
+    state = [rank_checkpoint_state(first, layout, "", directory)]
+    dist.broadcast_object_list(state, src=0)
+    tensors, meta = state[0]
+    out = {"before": before, "meta": meta, "format": meta["model"], "uninterrupted": scalars(first.step(shard)),
            "uninterrupted_weights": weights(first), "state": first.precision.state_dict()}
-    resumed = fsdp2()
-    apply_learner_state(resumed, {}, meta, Path(directory), "")
+    resumed = build()
+    load(resumed, meta)
     out["loaded_state"] = resumed.precision.state_dict()
     out["resumed"] = scalars(resumed.step(shard))
     out["resumed_weights"] = weights(resumed)
     out["resumed_state"] = resumed.precision.state_dict()
-    control = fsdp2()
-    counters = {k: v for k, v in meta["learner"].items() if k != "precision"}
-    apply_learner_state(control, {}, {**meta, "learner": counters}, Path(directory), "")
+    control = build()
+    load(control, {**meta, "learner": {k: v for k, v in meta["learner"].items() if k != "precision"}})
     out["control"] = scalars(control.step(shard))
     return out

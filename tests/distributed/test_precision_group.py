@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from precision_workers import (blown_up, fp16_group_run, fp16_learner, fp16_mesh_run, fp16_reference,
-                               fp16_sharded_resume, three_steps)
+                               fp16_resume, three_steps)
 
 from learner_group_workers import LR, make_batch
 from rltune.learner.launch import spawn_learner_group
@@ -130,16 +130,21 @@ def test_fp16_mesh_layout_equals_one_process(model_path: str, layout: dict) -> N
 # --------------------------------------------------------------------------- sharded resume
 
 
-@pytest.mark.slow  # ~25 s, mostly starting the processes
-def test_fp16_fsdp2_resume_is_the_group_that_did_not_stop(model_dir: str, batch, tmp_path) -> None:
-    """Saved after an overflow (scale 2^15, one overflow counted), the FSDP2 group's
-    sharded checkpoint carries the scaler's state: the resumed group's next step equals
-    the uninterrupted one to the bit (same layout, same arithmetic), loss scale and
-    overflow count included. The control, resumed without the scaler's state, starts
-    again from 2^16, which its step's loss scale shows."""
-    ranks = spawn_learner_group(2, fp16_sharded_resume, model_dir, batch, str(tmp_path),
+@pytest.mark.slow  # ~20 s each, mostly starting the processes
+@pytest.mark.parametrize("layout", ["fsdp2", "dp_shard"])
+def test_fp16_group_resume_is_the_group_that_did_not_stop(model_dir: str, batch, tmp_path, layout: str) -> None:
+    """Saved after an overflow (scale 2^15, one overflow counted), an fp16 group's
+    checkpoint carries the scaler's state, in the FSDP2 strategy's gathered file and in a
+    mesh's DCP shards: the resumed group's next step equals the uninterrupted one to the
+    bit (same layout, same arithmetic), loss scale and overflow count included. The
+    control, resumed without the scaler's state, starts again from 2^16, which its
+    step's loss scale shows. Rank 0 keeps the state it was given while its group takes
+    the next step, so a state that shared memory with the live optimizer (the FSDP2
+    strategy's unsharded Adam ``step`` counters did) would resume one step later."""
+    ranks = spawn_learner_group(2, fp16_resume, model_dir, batch, layout, str(tmp_path),
                                 backend="gloo", timeout_s=300)
     for rank in ranks:
+        assert rank["format"]["format"] == ("dcp" if layout == "dp_shard" else "full"), rank["format"]
         assert [m["train/skipped_overflow"] for m in rank["before"]] == [0.0, 1.0]
         saved = rank["meta"]["learner"]["precision"]
         assert saved == {"scale": 2.0**15, "growth_tracker": 0, "overflows": 1}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rltune.checkpoint.sharded import FORMAT as SHARDED
 from rltune.checkpoint.sharded import writes_shards
@@ -42,9 +43,41 @@ def rank_checkpoint_state(learner: LocalLearner, strategy: str, prefix: str,
                                   "(rltune.checkpoint.store.save_checkpoint's `shards` passes it)")
         state = sharded_learner_state(learner, prefix, Path(directory))
         return state if rank == 0 else None
-    if strategy == "fsdp2":
-        return fsdp2_state(learner, prefix)
-    return _to_cpu(learner_state(learner, prefix)) if rank == 0 else None
+    state = fsdp2_state(learner, prefix) if strategy == "fsdp2" else (
+        _to_cpu(learner_state(learner, prefix)) if rank == 0 else None)
+    return None if state is None else _apart_from(learner, state)
+
+
+def _apart_from(learner: LocalLearner, state: tuple[dict, dict]) -> tuple[dict, dict]:
+    """``state`` with every tensor that shares memory with ``learner``'s parameters or
+    optimizer state copied, so that the learner's later steps do not change it.
+
+    A state dict on the CPU hands out the live tensors where it has nothing to gather or
+    move: every tensor of a CPU learner's one-file state, and under FSDP2 the optimizer's
+    unsharded ``step`` counters (the gathered parameters and moments are new tensors and
+    are not copied again). A caller that keeps the state while the learner steps on (a
+    checkpoint written later, a load in the same process) would otherwise read a later
+    ``step``: Adam's bias correction, and so the resumed update, would differ."""
+    live = {_storage(t) for t in learner.model.parameters()}
+    live |= {_storage(v) for entry in learner.optimizer.state.values() for v in entry.values()
+             if isinstance(v, torch.Tensor)}
+
+    def apart(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone() if _storage(value) in live else value
+        if isinstance(value, dict):
+            return {k: apart(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(apart(v) for v in value)
+        return value
+
+    return apart(state)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """The address of the memory ``tensor`` (its local shard, for a DTensor) lives in."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 def rank_load_checkpoint_state(learner: LocalLearner, strategy: str, tensors: dict, meta: dict,
