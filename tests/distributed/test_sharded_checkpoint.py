@@ -343,12 +343,22 @@ def digit_share(prompt, completion, **meta):
 '''
 
 
+RAY_RUNS = {
+    "tp2": ("runtime.mode=ray", "runtime.placement.learners=2", "train.parallel.tp=2"),
+    # the FSDP2 strategy writes the gathered one-file format; fp16 adds the loss scaler's state
+    "fsdp2-fp16": ("runtime.mode=ray", "runtime.placement.learners=2", "runtime.placement.learner_strategy=fsdp2",
+                   "train.precision=fp16"),
+}
+
+
 @pytest.mark.slow  # two `rltune train` runs on a local Ray, three actors each (minutes here)
-def test_a_tp2_ray_run_resumed_from_its_sharded_checkpoint_is_the_run_that_did_not_stop(tmp_path: Path) -> None:
-    """``rltune train`` at tp=2 on Ray writes sharded checkpoints; a second run resumed
-    from the first one's step-2 checkpoint takes step 3 as the first run did (loss,
-    gradient norm, reward to the bit), and ``rltune export`` of each run's last
-    checkpoint gives the same weights."""
+@pytest.mark.parametrize("run", sorted(RAY_RUNS))
+def test_a_ray_run_resumed_from_its_checkpoint_is_the_run_that_did_not_stop(tmp_path: Path, run: str) -> None:
+    """``rltune train`` on Ray writes checkpoints (at tp=2 sharded, with the FSDP2
+    strategy one gathered file); a second run resumed from the first one's step-2
+    checkpoint takes step 3 as the first run did (loss, gradient norm, reward and, in
+    fp16, the loss scale to the bit), and ``rltune export`` of each run's last checkpoint
+    gives the same weights."""
     pytest.importorskip("ray", reason="the ray extra is not installed")
     import json
 
@@ -367,19 +377,21 @@ def test_a_tp2_ray_run_resumed_from_its_sharded_checkpoint_is_the_run_that_did_n
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    tp = ("runtime.mode=ray", "runtime.placement.learners=2", "train.parallel.tp=2")
+    overrides = RAY_RUNS[run]
     runs = tmp_path / "runs"
-    assert main(["train", str(path), "name=a", *tp]) == 0
+    assert main(["train", str(path), "name=a", *overrides]) == 0
     step2 = runs / "a" / "checkpoints" / "step-2"
-    assert len(shard_files(step2 / "learner")) == 2
-    assert main(["train", str(path), "name=b", *tp, f"checkpoint.resume={step2}"]) == 0
+    if run == "tp2":
+        assert len(shard_files(step2 / "learner")) == 2
+    assert main(["train", str(path), "name=b", *overrides, f"checkpoint.resume={step2}"]) == 0
 
     def metrics(name: str) -> list[dict]:
         return [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
 
     first, resumed = metrics("a")[-1], metrics("b")[-1]
     assert first["step"] == resumed["step"] == 3
-    for key in ("loss", "grad_norm", "reward/mean"):
+    keys = ("loss", "grad_norm", "reward/mean", *(("train/loss_scale",) if "fp16" in run else ()))
+    for key in keys:
         assert first[key] == resumed[key], key
     assert main(["export", str(runs / "a"), str(tmp_path / "a-hf")]) == 0
     assert main(["export", str(runs / "b"), str(tmp_path / "b-hf")]) == 0
