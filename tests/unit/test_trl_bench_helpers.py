@@ -109,8 +109,24 @@ def test_the_compiled_row_counts_towards_the_target(capsys) -> None:
     # medians: trl 10, rltune-compiled 20 -> 2.00x, which meets a 2.0x target
     assert ("rltune-compiled / TRL speed: 2.00x (target 2.0x: met) (rollout.compile=true: "
             "the decode step compiled; the same algorithm)") in out
-    assert "reward after the same samples: rltune-compiled 0.500, TRL 0.500 (rltune-compiled at least equal: yes)" in out
+    assert ("reward after the same samples: rltune-compiled 0.500, TRL 0.500 (medians); difference of the "
+            "means +0.000, standard error 0.000 (rltune-compiled at least equal: yes)") in out
     assert "the same algorithm" in out and "ratio is rltune's above" not in out
+
+
+def test_learning_is_judged_by_the_difference_of_the_means_against_its_standard_error() -> None:
+    # means 0.40 and 0.50: difference -0.10; sample variances 0.01 (0.3, 0.4, 0.5) and
+    # 0.0025 (0.45, 0.5, 0.55), so se = sqrt(0.01 / 3 + 0.0025 / 3) = sqrt(0.0125 / 3) = 0.0645
+    # and -0.10 >= -2 se = -0.129: equal within the rounds' spread
+    equal, text = common.learned_as_much([0.3, 0.4, 0.5], [0.45, 0.5, 0.55])
+    assert equal and text == "difference of the means -0.100, standard error 0.065"
+    # the same difference with a tenth of the spread (se 0.00645): below by 15 se
+    equal, text = common.learned_as_much([0.39, 0.40, 0.41], [0.495, 0.5, 0.505])
+    assert not equal and text == "difference of the means -0.100, standard error 0.006"
+    # a side ahead is equal whatever the spread; one round each is compared as it is
+    assert common.learned_as_much([0.6, 0.7, 0.8], [0.5, 0.5, 0.5])[0]
+    assert common.learned_as_much([0.5], [0.5]) == (True, "difference +0.000 (one round: no spread)")
+    assert not common.learned_as_much([0.49], [0.5])[0]
 
 
 def test_an_extra_side_without_a_note_is_an_error() -> None:
