@@ -23,6 +23,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.data.loaders import DataError
     from rltune.envs.loading import EnvLoadError
     from rltune.learner.learner import NonFiniteError
+    from rltune.learner.memory import MemorySettingError
     from rltune.learner.precision import PrecisionError
     from rltune.metrics.dashboard import DashboardError
     from rltune.metrics.report import ReportError
@@ -37,7 +38,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
-        RewardErrorLimit, LayoutError, PrecisionError, PlanError,
+        RewardErrorLimit, LayoutError, PrecisionError, PlanError, MemorySettingError,
     )
 
 

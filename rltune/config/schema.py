@@ -445,7 +445,8 @@ class Config(_Section):
             raise ValueError(problem)
         placement = self.runtime.placement
         for problem in offload_problems(self.train, mode=self.runtime.mode, learners=placement.learners,
-                                        learner_strategy=placement.learner_strategy):
+                                        learner_strategy=placement.learner_strategy,
+                                        learner_gpus=placement.learner.gpus):
             raise ValueError(problem)
         if self.runtime.max_staleness > 0 and self.algo.importance_correction == "none":
             raise ValueError(

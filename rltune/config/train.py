@@ -98,8 +98,13 @@ def memory_problems(train: TrainConfig) -> list[str]:
     return problems
 
 
-def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_strategy: str) -> list[str]:
-    """``train.offload: params`` without a learner group that shards parameters."""
+def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_strategy: str,
+                     learner_gpus: float = 0.0) -> list[str]:
+    """``train.offload: params`` without a learner group that shards parameters;
+    ``optimizer`` without a learner that holds the whole model on a GPU."""
+    if train.offload == "optimizer":
+        return _optimizer_offload_problems(train, mode=mode, learner_strategy=learner_strategy,
+                                           learner_gpus=learner_gpus)
     if train.offload != "params":
         return []
     layout = train.parallel
@@ -116,4 +121,27 @@ def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_st
         return ["train.offload: params is FSDP2's CPU offload of sharded parameters: it needs runtime.mode: ray "
                 "with runtime.placement.learners > 1 and learner_strategy: fsdp2 (or train.parallel dp_shard > 1); "
                 f"this run has mode {mode!r}, {learners} learner(s), strategy {learner_strategy!r}"]
+    return []
+
+
+def _optimizer_offload_problems(train: TrainConfig, *, mode: str, learner_strategy: str,
+                                learner_gpus: float) -> list[str]:
+    """Where ``train.offload: optimizer`` (AdamW's state in host memory for a learner whose
+    whole model sits on a GPU) could not take effect, told before any model loads: the
+    local runtime's learner and a Ray learner without a GPU train on the CPU, where the
+    state is in host memory already; FSDP2 and ``train.parallel`` layouts shard the
+    parameters."""
+    fix = "or set train.offload: none"
+    if mode != "ray":
+        return ["train.offload: optimizer moves AdamW's state from a GPU learner to host memory, but runtime.mode: "
+                "local trains on the CPU, where it is in host memory already (nothing to offload); use "
+                f"runtime.mode: ray with runtime.placement.learner.gpus > 0, {fix}"]
+    if learner_gpus <= 0:
+        return ["train.offload: optimizer moves AdamW's state from a GPU learner to host memory, but the learners "
+                "reserve no GPU (runtime.placement.learner.gpus: 0), so they train on the CPU, where it is in host "
+                f"memory already; set runtime.placement.learner.gpus > 0, {fix}"]
+    if learner_strategy == "fsdp2" or train.parallel.model_fields_set:
+        return ["train.offload: optimizer is for a learner that holds the whole model (one process or DDP); "
+                "with runtime.placement.learner_strategy: fsdp2 or a train.parallel layout the parameters are "
+                "sharded: use train.offload: params"]
     return []

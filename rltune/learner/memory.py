@@ -50,6 +50,11 @@ CACHE_KWARGS: tuple[str, ...] = ("past_key_values", "cache", "layer_past")
 """Keyword arguments through which a block would write a KV cache."""
 
 
+class MemorySettingError(ValueError):
+    """A ``train.activation_checkpointing`` or ``train.offload`` setting that cannot take
+    effect for this model or learner; the message names the key and the fix."""
+
+
 # ----------------------------------------------------------------------- checkpointing
 
 
@@ -73,15 +78,15 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
     """Checkpoint ``model``'s transformer blocks as ``mode`` says (:func:`checkpointed_indices`);
     returns how many. Idempotent: a block already checkpointed is left as it is.
 
-    Raises ValueError when ``mode`` is not ``none`` and ``model`` has no transformer block
-    (no module class named in a Hugging Face ``_no_split_modules``)."""
+    Raises :class:`MemorySettingError` when ``mode`` is not ``none`` and ``model`` has no
+    transformer block (no module class named in a Hugging Face ``_no_split_modules``)."""
     if mode == "none":
         return 0
     from rltune.learner.parallel import transformer_blocks
 
     blocks = transformer_blocks(model)
     if not blocks:
-        raise ValueError(
+        raise MemorySettingError(
             f"train.activation_checkpointing={mode!r} checkpoints transformer blocks, but "
             f"{type(model).__name__} names none (no Hugging Face `_no_split_modules` in it); "
             "set train.activation_checkpointing: none for this model"
@@ -218,16 +223,16 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 def _check_offloadable(params: list[torch.Tensor], require_device: bool) -> None:
     if not params:
-        raise ValueError("the model has no trainable parameters")
+        raise MemorySettingError("the model has no trainable parameters")
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in params):
-        raise ValueError(
+        raise MemorySettingError(
             "train.offload: optimizer keeps a single learner's AdamW state on the host; these parameters "
             "are sharded (FSDP2 or a train.parallel layout): use train.offload: params there"
         )
     if require_device and all(p.device.type == "cpu" for p in params):
-        raise ValueError(
+        raise MemorySettingError(
             "train.offload: optimizer moves AdamW's state from the accelerator to host memory, but this "
             "learner's parameters are on the CPU already (nothing to offload); set train.offload: none"
         )
@@ -254,7 +259,7 @@ def prepare_memory(model: torch.nn.Module, cfg: Any, parallelism: Any) -> None:
         from rltune.models.routing import find_routers
 
         if find_routers(model):
-            raise ValueError(
+            raise MemorySettingError(
                 f"train.activation_checkpointing={cfg.activation_checkpointing!r} with train.compile on a "
                 f"mixture-of-experts model ({type(model).__name__}): the compiled recompute would route the "
                 "tokens anew instead of as the forward did (routing replay, counts); turn one of the two off"
@@ -263,14 +268,14 @@ def prepare_memory(model: torch.nn.Module, cfg: Any, parallelism: Any) -> None:
     strategy = type(parallelism).__name__
     if cfg.offload == "params":
         if not hasattr(parallelism, "offload"):
-            raise ValueError(
+            raise MemorySettingError(
                 f"train.offload: params is FSDP2's CPU offload of sharded parameters; this learner's "
                 f"strategy {strategy} does not shard them: it needs train.parallel dp_shard > 1 or "
                 "runtime.placement.learner_strategy: fsdp2 with more than one learner"
             )
         parallelism.offload = "params"  # the strategy checks its layout when it wraps
     elif cfg.offload == "optimizer" and hasattr(parallelism, "offload"):
-        raise ValueError(
+        raise MemorySettingError(
             f"train.offload: optimizer is for a learner that holds the whole model (one process or DDP); "
             f"under {strategy} the parameters are sharded: use train.offload: params"
         )
@@ -278,6 +283,7 @@ def prepare_memory(model: torch.nn.Module, cfg: Any, parallelism: Any) -> None:
 
 __all__ = [
     "HostOffloadAdamW",
+    "MemorySettingError",
     "apply_activation_checkpointing",
     "checkpointed_indices",
     "is_checkpointed",

@@ -241,3 +241,19 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(capsys, config_file):
     err = fails(capsys, ["train", str(config_file()), "rollout.engine=vllm"])
     assert "rollout.engine=vllm: vLLM is not installed" in err
     assert "pip install 'rltune[vllm]'" in err
+
+
+def test_optimizer_offload_on_a_cpu_learner_is_refused_before_the_model_loads(capsys, config_file, no_model_load):
+    """The local runtime's learner trains on the CPU, where AdamW's state is in host
+    memory already: the config says so, with the fix, before any weight is read."""
+    err = fails(capsys, ["train", str(config_file()), "train.offload=optimizer"])
+    assert "train.offload: optimizer" in err and "runtime.mode: local trains on the CPU" in err
+    assert "train.offload: none" in err
+
+
+def test_a_memory_setting_the_model_cannot_take_is_one_message(capsys, config_file):
+    """Refused when the learner is built (the model decides it: checkpointing with
+    train.compile on a mixture-of-experts model): one message, no traceback."""
+    err = fails(capsys, ["train", str(config_file()), "model.path=builtin:tiny-moe",
+                         "train.activation_checkpointing=full", "train.compile=true"])
+    assert "mixture-of-experts" in err and "turn one of the two off" in err

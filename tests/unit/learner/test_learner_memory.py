@@ -26,6 +26,7 @@ from rltune.learner.distributed import to_device
 from rltune.learner.learner import LocalLearner
 from rltune.learner.memory import (
     HostOffloadAdamW,
+    MemorySettingError,
     apply_activation_checkpointing,
     checkpointed_indices,
     is_checkpointed,
@@ -235,11 +236,25 @@ def test_host_offload_adamw_steps_and_resumes_as_adamw(tiny_model) -> None:
 
 
 def test_offload_refusals(tiny_model) -> None:
-    """Each setting that could not take effect is refused with the key and the fix."""
-    with pytest.raises(ValueError, match="parameters are on the CPU already"):
+    """Each setting that could not take effect is refused with the key and the fix: in
+    the config where the run's layout and devices say so, else when the learner is built
+    (a :class:`MemorySettingError`, which the CLI prints as one line)."""
+    with pytest.raises(MemorySettingError, match="parameters are on the CPU already"):
         _learner(copy.deepcopy(tiny_model), offload="optimizer")
-    with pytest.raises(ValueError, match="needs train.parallel dp_shard > 1"):
+    with pytest.raises(MemorySettingError, match="needs train.parallel dp_shard > 1"):
         _learner(copy.deepcopy(tiny_model), offload="params")
+    with pytest.raises(ValueError, match="runtime.mode: local trains on the CPU"):
+        Config(train={"offload": "optimizer"})
+    gpu_learners = {"learners": 2, "learner": {"gpus": 1}}
+    with pytest.raises(ValueError, match=r"reserve no GPU \(runtime.placement.learner.gpus: 0\)"):
+        Config(train={"offload": "optimizer"}, runtime={"mode": "ray", "placement": {"learners": 2}})
+    with pytest.raises(ValueError, match="the parameters are sharded: use train.offload: params"):
+        Config(train={"offload": "optimizer"},
+               runtime={"mode": "ray", "placement": {**gpu_learners, "learner_strategy": "fsdp2"}})
+    with pytest.raises(ValueError, match="the parameters are sharded: use train.offload: params"):
+        Config(train={"offload": "optimizer", "parallel": {"dp_shard": 2}},
+               runtime={"mode": "ray", "placement": gpu_learners})
+    Config(train={"offload": "optimizer"}, runtime={"mode": "ray", "placement": gpu_learners})  # DDP on GPUs
     with pytest.raises(ValueError, match="checkpoint_every is for activation_checkpointing: selective"):
         TrainConfig(activation_checkpointing="full", checkpoint_every=2)
     with pytest.raises(ValueError, match="loss scaler"):
