@@ -99,7 +99,7 @@ def memory_problems(train: TrainConfig) -> list[str]:
 
 
 def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_strategy: str,
-                     learner_gpus: float = 0.0) -> list[str]:
+                     learner_gpus: float) -> list[str]:
     """``train.offload: params`` without a learner group that shards parameters;
     ``optimizer`` without a learner that holds the whole model on a GPU."""
     if train.offload == "optimizer":

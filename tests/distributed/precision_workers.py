@@ -22,6 +22,7 @@ from rltune.models.load import load_model
 from rltune.parallel.layout import Layout
 from rltune.parallel.strategy import MeshParallelism
 from rltune.runtime.ray.fsdp_state import rank_checkpoint_state, rank_load_checkpoint_state
+from rltune.runtime.ray.learner_layout import MESH
 
 
 def fp16_learner(model: torch.nn.Module, parallelism: Parallelism | None = None) -> LocalLearner:
@@ -110,15 +111,18 @@ def fp16_resume(model_dir: str, batch: TrainBatch, layout: str, directory: str) 
     def weights(learner: LocalLearner) -> dict:
         return {k: v.clone() for k, v in learner.export_weights().items()}
 
-    def load(learner: LocalLearner, meta: dict) -> None:
-        rank_load_checkpoint_state(learner, layout, tensors, meta, Path(directory), "")
-
     first = build()
     before = [scalars(first.step(b)) for b in (shard, overflow)]
-    # rank 0 gets the state (the driver's part in a Ray run); every rank loads it
-    state = [rank_checkpoint_state(first, layout, "", directory)]
+    # rank 0 gets the state (the driver's part in a Ray run) and keeps its own objects;
+    # every other rank loads a copy of them
+    strategy = "fsdp2" if layout == "fsdp2" else MESH
+    state = [rank_checkpoint_state(first, strategy, "", directory)]
     dist.broadcast_object_list(state, src=0)
     tensors, meta = state[0]
+
+    def load(learner: LocalLearner, meta: dict) -> None:
+        rank_load_checkpoint_state(learner, strategy, tensors, meta, Path(directory), "")
+
     out = {"before": before, "meta": meta, "format": meta["model"], "uninterrupted": scalars(first.step(shard)),
            "uninterrupted_weights": weights(first), "state": first.precision.state_dict()}
     resumed = build()

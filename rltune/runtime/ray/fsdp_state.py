@@ -95,12 +95,17 @@ def rank_load_checkpoint_state(learner: LocalLearner, strategy: str, tensors: di
 
 def _to_cpu(value: Any) -> Any:
     """``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
+    return _map_tensors(lambda t: t.detach().cpu(), value)
+
+
+def _map_tensors(fn: Any, value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (nested dicts, lists, tuples)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(_map_tensors(fn, v) for v in value)
     return value
 
 
