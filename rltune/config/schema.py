@@ -5,11 +5,12 @@ Every field has its default here and nowhere else. Imports no torch.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rltune.config.parallel import MoeConfig, moe_problems
+from rltune.config.runtime import PlacementConfig, RoleResources, RuntimeConfig  # noqa: F401  (re-exported)
 from rltune.config.train import TrainConfig, offload_problems
 from rltune.config.vllm import VLLM_RESERVED_ARGS, VLLMConfig  # noqa: F401  (re-exported)
 from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
@@ -349,79 +350,6 @@ class EvalConfig(_Section):
     """None uses ``rollout.max_new_tokens``."""
 
 
-class RoleResources(_Section):
-    """What one actor of a role reserves on a Ray cluster (logical resources)."""
-
-    cpus: float = Field(1.0, ge=0)
-    """CPUs reserved; the actor's torch uses this many threads (at least one)."""
-    gpus: float = Field(0.0, ge=0)
-    """GPUs reserved (fractions share a GPU); Ray sets the actor's CUDA_VISIBLE_DEVICES."""
-
-
-class PlacementConfig(_Section):
-    """How many actors of each role ``runtime.mode: ray`` starts, and what each reserves.
-    All of them are placed through one Ray placement group of one bundle per actor."""
-
-    generators: int = Field(1, ge=1)
-    """Generator actors; a step's prompts are split between them."""
-    scorers: int = Field(1, ge=1)
-    """Scorer actors; a step's rollouts are split between them."""
-    learners: int = Field(1, ge=1)
-    """Learner actors forming one torch.distributed group (gloo on CPU, NCCL on GPU)."""
-    learner_strategy: Literal["ddp", "fsdp2"] = "ddp"
-    """How the learner group holds the model: replicated (DDP) or sharded (FSDP2)."""
-    generator: RoleResources = RoleResources()
-    scorer: RoleResources = RoleResources()
-    learner: RoleResources = RoleResources()
-    colocate: bool = False
-    """Generator ``i`` shares learner ``i``'s bundle (needs generators <= learners): the
-    two reserve one bundle with both roles' resources, e.g. one GPU each pair. False: every
-    actor has a bundle of its own."""
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """Ray's placement-group strategy for the bundles across nodes."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "PlacementConfig":
-        if self.colocate and self.generators > self.learners:
-            raise ValueError(
-                f"runtime.placement.colocate puts each generator with a learner; generators "
-                f"({self.generators}) must be <= learners ({self.learners})"
-            )
-        return self
-
-
-class RuntimeConfig(_Section):
-    mode: Literal["local", "ray"] = "local"
-    """``local``: everything in this process. ``ray``: generators, scorers and learners as
-    Ray actors placed by ``placement`` (needs the ``ray`` extra); the same loop drives both."""
-    ray_address: str | None = None
-    """The Ray cluster to join (``auto``, ``ray://host:10001``, ``host:6379``); None starts a
-    local one for the run, bound to 127.0.0.1, and stops it at the end."""
-    placement: PlacementConfig = PlacementConfig()
-    weight_sync: Literal["object_store", "broadcast"] = "object_store"
-    """How new weights reach the generator actors: ``object_store``: learner rank 0 puts
-    them into Ray's object store once and every generator reads them; ``broadcast``:
-    learner rank 0 and the generators form a process group of their own (NCCL between
-    GPUs, gloo on CPU) and each sync is a collective broadcast into the generators' models."""
-    actor_restarts: int = Field(3, ge=0)
-    """How many times a dead generator or scorer actor is restarted (its in-flight prompts
-    reissued) before the run fails."""
-    learner_restarts: int = Field(1, ge=0)
-    """How many times a run whose learner died resumes from its newest checkpoint by
-    itself (``runtime.mode: ray``; needs ``checkpoint.every``)."""
-    reward_workers: int = Field(4, ge=1)
-    """Reward calls that run at once (threads or processes)."""
-    reward_pool: Literal["thread", "process"] = "thread"
-    """``process`` for CPU-bound Python rewards: they then run in parallel, and a hung
-    call's worker is killed; ``thread`` for rewards that wait (HTTP, the code sandbox)."""
-    reward_cache_size: int = Field(100_000, ge=0)
-    """Values of identical calls kept across steps (0: no cache)."""
-    max_staleness: int = Field(0, ge=0)
-    """0: generate, score and learn in turn, always on the newest policy. k > 0: generate
-    and score up to k steps ahead of the learner, on a copy of the weights up to k
-    versions old (needs ``algo.importance_correction``); see ``rltune/runtime/rollouts.py``."""
-
-
 class Config(_Section):
     name: str = "run"
     model: ModelConfig = ModelConfig()
@@ -444,7 +372,8 @@ class Config(_Section):
                 self.model.moe, engine=self.rollout.engine, env=self.env.name, lora=self.model.lora is not None):
             raise ValueError(problem)
         placement = self.runtime.placement
-        for problem in offload_problems(self.train, mode=self.runtime.mode, learners=placement.learners,
+        for problem in offload_problems(self.train, mode=self.runtime.mode, device=self.runtime.device,
+                                        learners=placement.learners,
                                         learner_strategy=placement.learner_strategy,
                                         learner_gpus=placement.learner.gpus):
             raise ValueError(problem)

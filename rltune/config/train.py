@@ -98,12 +98,13 @@ def memory_problems(train: TrainConfig) -> list[str]:
     return problems
 
 
-def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_strategy: str,
+def offload_problems(train: TrainConfig, *, mode: str, device: str, learners: int, learner_strategy: str,
                      learner_gpus: float) -> list[str]:
     """``train.offload: params`` without a learner group that shards parameters;
-    ``optimizer`` without a learner that holds the whole model on a GPU."""
+    ``optimizer`` without a learner that holds the whole model on a GPU (``device``: the
+    local runtime's ``runtime.device``)."""
     if train.offload == "optimizer":
-        return _optimizer_offload_problems(train, mode=mode, learner_strategy=learner_strategy,
+        return _optimizer_offload_problems(train, mode=mode, device=device, learner_strategy=learner_strategy,
                                            learner_gpus=learner_gpus)
     if train.offload != "params":
         return []
@@ -124,18 +125,21 @@ def offload_problems(train: TrainConfig, *, mode: str, learners: int, learner_st
     return []
 
 
-def _optimizer_offload_problems(train: TrainConfig, *, mode: str, learner_strategy: str,
+def _optimizer_offload_problems(train: TrainConfig, *, mode: str, device: str, learner_strategy: str,
                                 learner_gpus: float) -> list[str]:
     """Where ``train.offload: optimizer`` (AdamW's state in host memory for a learner whose
-    whole model sits on a GPU) could not take effect, told before any model loads: the
-    local runtime's learner and a Ray learner without a GPU train on the CPU, where the
-    state is in host memory already; FSDP2 and ``train.parallel`` layouts shard the
-    parameters."""
+    whole model sits on a GPU) could not take effect, told before any model loads: a local
+    run set to the CPU (``runtime.device: cpu``) and a Ray learner without a GPU train on
+    the CPU, where the state is in host memory already; FSDP2 and ``train.parallel``
+    layouts shard the parameters. A local run on ``auto`` learns where it runs whether a
+    GPU is there; the local runtime refuses it then, before the model loads."""
     fix = "or set train.offload: none"
     if mode != "ray":
-        return ["train.offload: optimizer moves AdamW's state from a GPU learner to host memory, but runtime.mode: "
-                "local trains on the CPU, where it is in host memory already (nothing to offload); use "
-                f"runtime.mode: ray with runtime.placement.learner.gpus > 0, {fix}"]
+        if device != "cpu":
+            return []
+        return ["train.offload: optimizer moves AdamW's state from a GPU learner to host memory, but runtime.device: "
+                "cpu trains on the CPU, where it is in host memory already (nothing to offload); use a GPU "
+                f"(runtime.device: auto or cuda), {fix}"]
     if learner_gpus <= 0:
         return ["train.offload: optimizer moves AdamW's state from a GPU learner to host memory, but the learners "
                 "reserve no GPU (runtime.placement.learner.gpus: 0), so they train on the CPU, where it is in host "

@@ -120,17 +120,21 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 class NoParallelism:
-    """One process trains alone: no collective, the model and batch where they are."""
+    """One process trains alone: no collective. ``device`` None: the model and batch stay
+    where they are; a device: the model moves there when wrapped, each batch when placed."""
 
     rank = 0
     world = 1
-    device = None
+    device: torch.device | None = None
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
+        return model if self.device is None else model.to(self.device)
 
     def place(self, batch: TrainBatch) -> TrainBatch:
-        return batch
+        return batch if self.device is None else to_device(batch, self.device)
 
     def agree(self, rows: int, forwards: int, denominator: torch.Tensor | None) -> StepPlan:
         if rows == 0:

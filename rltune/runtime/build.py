@@ -67,7 +67,7 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     # a vision-language model's processor renders its prompts; its tokenizer is the run's
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir) if is_preference(cfg) else None
+    preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir, roles.device) if is_preference(cfg) else None
     data = _run_data(cfg, inputs, tokenizer, processor, preference)
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
@@ -106,7 +106,7 @@ def _check_inputs(cfg: Config, config_dir: Path | None) -> _Inputs:
 
 
 def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
-                      processor: "ProcessorMixin | None", run_dir: Path) -> PreferenceParts:
+                      processor: "ProcessorMixin | None", run_dir: Path, device: torch.device | None) -> PreferenceParts:
     """DPO, SimPO, reward model: the model (LoRA-wrapped when configured, so that DPO's
     reference is the base with adapters off), pairs, objective and held-out evaluation.
     DPO's reference log-probs are computed here, before any checkpoint is restored; on
@@ -114,7 +114,7 @@ def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokeniz
     model = learner_model(cfg, model_dir) if cfg.model.lora is not None else None
     return build_preference_parts(
         cfg, model_dir=model_dir, tokenizer=tokenizer, processor=processor, run_dir=run_dir,
-        reference_context=adapters_disabled if model is not None else None, model=model,
+        reference_context=adapters_disabled if model is not None else None, model=model, device=device,
     )
 
 

@@ -1,5 +1,8 @@
 """The local runtime: every role in this process, the generator sharing the learner's
-module (a copy of it when rollouts run ahead of the learner)."""
+module (a copy of it when rollouts run ahead of the learner), the models on one device
+(``runtime.device``: the current CUDA device when torch sees one, else the CPU). Batches,
+rollouts and what the roles return stay on the CPU; each model's inputs move to its
+device for its forward."""
 
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ import torch
 
 from rltune.algos import Algorithm
 from rltune.checkpoint.export import export_hf
-from rltune.config import Config
+from rltune.config import Config, ConfigError
 from rltune.data.records import TrainBatch
-from rltune.learner.learner import LocalLearner, predict
-from rltune.learner.objectives import build_objective, logprobs_only
+from rltune.learner.learner import LocalLearner
+from rltune.learner.memory import MemorySettingError
+from rltune.learner.objectives import build_objective
+from rltune.learner.parallel import NoParallelism
 from rltune.metrics.types import MetricLike
 from rltune.models.load import resolve_model
 from rltune.models.lora import adapters_disabled, is_lora
@@ -32,9 +37,10 @@ from rltune.runtime.roles import (
     load_reference_model,
     local_scorer,
     make_generator,
+    model_logprobs,
     reference_options,
 )
-from rltune.runtime.state import apply_learner_state, learner_state
+from rltune.runtime.state import apply_learner_state, learner_state, to_cpu
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -66,10 +72,10 @@ class LocalTrained:
         return self.learner.step(batch)
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.learner.logprobs(batch)
+        return self.learner.logprobs(batch).cpu()
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
-        return self.learner.values(batch)
+        return self.learner.values(batch).cpu()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.learner.export_weights()
@@ -82,7 +88,7 @@ class LocalTrained:
             model.load_state_dict(self.learner.model.state_dict())
 
     def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
-        return learner_state(self.learner, prefix)
+        return to_cpu(learner_state(self.learner, prefix))
 
     def load_checkpoint_state(self, tensors: dict, meta: dict, path: Path, prefix: str) -> None:
         apply_learner_state(self.learner, tensors, meta, path, prefix)
@@ -102,11 +108,11 @@ class LocalReference:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if not self.adapters_off:
-            return predict(self.model, logprobs_only, batch, **self.options)
+            return model_logprobs(self.model, batch, self.options)
         training = self.model.training
         batch = dataclasses.replace(batch, routes=None)  # the reference routes by itself
         with adapters_disabled(self.model):
-            out = predict(self.model.eval(), logprobs_only, batch, **self.options)
+            out = model_logprobs(self.model.eval(), batch, self.options)
         self.model.train(training)
         return out
 
@@ -121,12 +127,34 @@ class LocalStreams:
         pass
 
 
-class LocalRoles:
-    """Every role in this process (:class:`rltune.runtime.roles.Roles`). The generator
-    runs on the learner's module (``rollout.engine: hf``), or on a copy of it when rollouts
-    run ahead of the learner; with LoRA the reference is that module with adapters off."""
+def local_device(cfg: Config) -> torch.device:
+    """The device ``runtime.device`` names on this machine: ``auto``: the current CUDA
+    device when torch sees one, else the CPU. Refuses ``cuda`` without a CUDA device, and
+    ``train.offload: optimizer`` on the CPU (the state is in host memory already), before
+    any model loads."""
+    setting = cfg.runtime.device
+    cuda = torch.cuda.is_available()
+    if setting == "cuda" and not cuda:
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError(f"runtime.device=cuda, but torch {torch.__version__} ({built}) sees no CUDA device; "
+                          "set runtime.device: cpu (or auto)")
+    device = torch.device("cuda", torch.cuda.current_device()) if setting != "cpu" and cuda else torch.device("cpu")
+    if cfg.train.offload == "optimizer" and device.type == "cpu":
+        raise MemorySettingError(
+            "train.offload: optimizer moves AdamW's state from a GPU learner to host memory, but this local run "
+            "trains on the CPU (torch sees no CUDA device), where it is in host memory already; set "
+            "train.offload: none")
+    return device
 
-    def __init__(self) -> None:
+
+class LocalRoles:
+    """Every role in this process (:class:`rltune.runtime.roles.Roles`), its models on
+    ``device`` (None: where they load). The generator runs on the learner's module
+    (``rollout.engine: hf``), or on a copy of it when rollouts run ahead of the learner;
+    with LoRA the reference is that module with adapters off."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
         self.policy: torch.nn.Module | None = None
 
     def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
@@ -137,7 +165,8 @@ class LocalRoles:
             model = load_policy(cfg, model_dir)
             objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
         self.policy = model
-        return LocalTrained(LocalLearner(model, objective, cfg.train, **learner_options(cfg, algorithm, model)))
+        return LocalTrained(LocalLearner(model, objective, cfg.train, parallelism=NoParallelism(self.device),
+                                         **learner_options(cfg, algorithm, model)))
 
     def shares_weights(self, cfg: Config) -> bool:
         return cfg.rollout.engine == "hf" and cfg.runtime.max_staleness == 0  # vLLM holds its own copy
@@ -156,10 +185,10 @@ class LocalRoles:
     def reference(self, cfg: Config, model_dir: str) -> LocalReference:
         if self.policy is not None and is_lora(self.policy):
             return LocalReference(self.policy, reference_options(cfg), adapters_off=True)
-        return LocalReference(load_reference_model(cfg, model_dir), reference_options(cfg))
+        return LocalReference(load_reference_model(cfg, model_dir, self.device), reference_options(cfg))
 
     def critic(self, cfg: Config, model_dir: str) -> LocalTrained:
-        return LocalTrained(critic_learner(cfg, model_dir))
+        return LocalTrained(critic_learner(cfg, model_dir, self.device))
 
     def streams(self, generators: dict[str, torch.Generator]) -> LocalStreams:
         return LocalStreams(generators)
@@ -168,12 +197,12 @@ class LocalRoles:
 def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     """Load model, data and rewards for ``cfg`` and wire them into a :class:`Run` whose
     roles all live in this process."""
-    return build(cfg, LocalRoles(), config_dir=config_dir)
+    return build(cfg, LocalRoles(local_device(cfg)), config_dir=config_dir)
 
 
 def run_local(cfg: Config, *, config_dir: Path | None = None) -> Run:
     """Train ``cfg`` in this process and export the final model."""
-    roles = LocalRoles()
+    roles = LocalRoles(local_device(cfg))
     run = build(cfg, roles, config_dir=config_dir)
     try:
         train(run)
@@ -186,4 +215,4 @@ def run_local(cfg: Config, *, config_dir: Path | None = None) -> Run:
     return run
 
 
-__all__ = ["LocalReference", "LocalRoles", "LocalStreams", "LocalTrained", "build_run", "run_local"]
+__all__ = ["LocalReference", "LocalRoles", "LocalStreams", "LocalTrained", "build_run", "local_device", "run_local"]

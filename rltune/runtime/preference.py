@@ -63,6 +63,7 @@ def build_preference_parts(
     processor: Any = None,
     reference_context: ContextFactory | None = None,
     model: torch.nn.Module | None = None,
+    device: torch.device | None = None,
 ) -> PreferenceParts:
     """Load the pair data and the model for ``cfg.algo.name`` and wire them.
 
@@ -73,6 +74,7 @@ def build_preference_parts(
     pair are read from or written to ``run_dir / reference_logps.safetensors``, so call
     this before any training step or checkpoint restore. ``processor``: a vision-language
     model's processor, which renders the prompts and their images (:func:`load_prompts`).
+    ``device``: where the model computes (None: where it is).
     """
     method = preference_method(cfg.algo.name)
     vl = {"processor": processor, "model": cfg.model.path}
@@ -81,6 +83,8 @@ def build_preference_parts(
     eval_prompts = eval_set.prompts[: cfg.eval.max_prompts] if eval_set else None
     if model is None:
         model = load_preference_model(cfg, model_dir)
+    if device is not None:
+        model.to(device)
     pad_id = tokenizer.pad_token_id
     budget = cfg.train.micro_batch_tokens
     reference = None

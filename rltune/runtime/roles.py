@@ -21,10 +21,13 @@ import torch
 from rltune.algos import ALGORITHMS, Algorithm
 from rltune.config import Config, ConfigError
 from rltune.data.chat import encode_prompt
+from rltune.data.records import TrainBatch
 from rltune.envs.episodes import EpisodeGenerator
 from rltune.envs.tool_format import turn_glue
-from rltune.learner.learner import LocalLearner
-from rltune.learner.objectives import Objective, build_objective, value_objective
+from rltune.learner.distributed import to_device
+from rltune.learner.learner import LocalLearner, predict
+from rltune.learner.objectives import Objective, build_objective, logprobs_only, value_objective
+from rltune.learner.parallel import NoParallelism
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
 from rltune.models.chunked import set_logprob_chunk_tokens
@@ -50,6 +53,11 @@ EnvFactory = Callable[[], "Environment"]
 class Roles(Protocol):
     """Where a run's roles live. Each method builds one role for ``cfg``; the builder calls
     them in the order listed, once each, and only for the roles the run has."""
+
+    device: torch.device | None
+    """Where the models this process holds compute (a preference method's model and its
+    reference log-probs): the local runtime's device; None: where they load (a Ray
+    driver, whose actors compute on their own devices)."""
 
     def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
                 preference: "PreferenceParts | None") -> Learner:
@@ -143,11 +151,21 @@ def learner_objective(cfg: Config, algorithm: Algorithm) -> Objective:
     return build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
 
 
-def load_reference_model(cfg: Config, model_dir: str) -> torch.nn.Module:
-    """A second, frozen copy of the starting policy (``model_dir``) for the KL term."""
+def load_reference_model(cfg: Config, model_dir: str, device: torch.device | None = None) -> torch.nn.Module:
+    """A second, frozen copy of the starting policy (``model_dir``) for the KL term, on
+    ``device`` (None: where it loads, the CPU)."""
     reference = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     set_logprob_chunk_tokens(reference, cfg.train.logprob_chunk_tokens)
+    if device is not None:
+        reference.to(device)
     return reference.eval().requires_grad_(False)
+
+
+def model_logprobs(model: torch.nn.Module, batch: TrainBatch, options: dict) -> torch.Tensor:
+    """``[B, C]`` log-probs of ``batch`` under ``model`` (no grad), computed on the model's
+    device and returned on the CPU, where the run's batches are."""
+    device = next(model.parameters()).device
+    return predict(model, logprobs_only, to_device(batch, device), **options).cpu()
 
 
 def reference_options(cfg: Config) -> dict:
@@ -155,8 +173,9 @@ def reference_options(cfg: Config) -> dict:
     return dict(field="logprobs", budget=cfg.train.micro_batch_tokens, temperature=cfg.rollout.temperature)
 
 
-def critic_learner(cfg: Config, model_dir: str) -> LocalLearner:
-    """PPO's critic: the policy's body with a value head, its own AdamW at ``critic_lr``."""
+def critic_learner(cfg: Config, model_dir: str, device: torch.device | None = None) -> LocalLearner:
+    """PPO's critic: the policy's body with a value head, its own AdamW at ``critic_lr``,
+    on ``device`` (None: where it loads, the CPU)."""
     critic = load_critic(
         cfg.model.critic_path or model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
     )
@@ -164,7 +183,8 @@ def critic_learner(cfg: Config, model_dir: str) -> LocalLearner:
         freeze_vision(critic.body)  # model.freeze_vision holds for the critic's tower and projector too
     lr = cfg.algo.critic_lr if cfg.algo.critic_lr is not None else cfg.train.lr
     updates = cfg.algo.epochs * cfg.algo.minibatches
-    return LocalLearner(critic, value_objective(cfg.algo), cfg.train.model_copy(update={"lr": lr}), updates_per_step=updates)
+    return LocalLearner(critic, value_objective(cfg.algo), cfg.train.model_copy(update={"lr": lr}),
+                        parallelism=NoParallelism(device), updates_per_step=updates)
 
 
 def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
@@ -209,5 +229,5 @@ def local_scorer(cfg: Config, reward_fns: list[RewardFn]) -> LocalScorer:
 __all__ = [
     "Roles", "critic_learner", "is_preference", "learner_model", "learner_objective", "learner_options",
     "load_policy", "load_reference_model", "local_scorer", "lookup_algorithm",
-    "make_generator", "reference_options", "seed_everything",
+    "make_generator", "model_logprobs", "reference_options", "seed_everything",
 ]

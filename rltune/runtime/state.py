@@ -3,10 +3,13 @@ the data position, the step and the learner's counters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from rltune.checkpoint.state import (
     optimizer_from_state,
@@ -72,6 +75,22 @@ def _save(run: "Run") -> Path:
         meta["kl_coef"] = roles.kl.coef
     return save_checkpoint(checkpoint_root(run), progress.step, tensors=tensors, meta=meta,
                            keep=run.cfg.checkpoint.keep, shards=shards)
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
+    return map_tensors(lambda t: t.detach().cpu(), value)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (nested dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
 
 
 def learner_state(learner, prefix: str) -> tuple[dict, dict]:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import rltune.runtime.roles
@@ -243,12 +244,22 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(capsys, config_file):
     assert "pip install 'rltune[vllm]'" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the local runtime trains on this machine's GPU")
 def test_optimizer_offload_on_a_cpu_learner_is_refused_before_the_model_loads(capsys, config_file, no_model_load):
-    """The local runtime's learner trains on the CPU, where AdamW's state is in host
-    memory already: the config says so, with the fix, before any weight is read."""
+    """A local run on a machine without a GPU trains on the CPU, where AdamW's state is in
+    host memory already: refused with the fix before any weight is read, whether the
+    config says so (``runtime.device: cpu``) or the machine does (``auto``)."""
     err = fails(capsys, ["train", str(config_file()), "train.offload=optimizer"])
-    assert "train.offload: optimizer" in err and "runtime.mode: local trains on the CPU" in err
+    assert "train.offload: optimizer" in err and "this local run trains on the CPU" in err
     assert "train.offload: none" in err
+    err = fails(capsys, ["train", str(config_file()), "train.offload=optimizer", "runtime.device=cpu"])
+    assert "runtime.device: cpu trains on the CPU" in err and "train.offload: none" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_cuda_device_is_one_message(capsys, config_file, no_model_load):
+    err = fails(capsys, ["train", str(config_file()), "runtime.device=cuda"])
+    assert "runtime.device=cuda" in err and "sees no CUDA device" in err and "runtime.device: cpu" in err
 
 
 def test_a_memory_setting_the_model_cannot_take_is_one_message(capsys, config_file):

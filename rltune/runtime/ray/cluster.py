@@ -8,7 +8,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import (
@@ -18,7 +18,10 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltune.config.schema import PlacementConfig, RoleResources, RuntimeConfig
+from rltune.config.runtime import PlacementConfig, RoleResources, RuntimeConfig
+
+if TYPE_CHECKING:
+    import torch
 
 ROLES = ("learner", "generator", "scorer")
 MODEL_ROLES = ("reference", "critic")
@@ -53,6 +56,16 @@ def actor_setup(threads: int) -> None:
 
     torch.set_num_threads(max(1, threads))
     hf_logging.disable_progress_bar()
+
+
+def actor_device() -> torch.device:
+    """Where this actor's model computes: its GPU when Ray gave it one (Ray sets
+    ``CUDA_VISIBLE_DEVICES`` to it, so it is device 0 here), else the CPU."""
+    import torch
+
+    if ray.get_gpu_ids() and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
 
 
 def connect(runtime: RuntimeConfig, extra: tuple[str, ...] = ()) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -26,7 +25,7 @@ from rltune.checkpoint.sharded import writes_shards
 from rltune.checkpoint.store import CheckpointError
 from rltune.learner.learner import LocalLearner
 from rltune.models.lora import is_lora
-from rltune.runtime.state import apply_learner_state, learner_state, sharded_learner_state
+from rltune.runtime.state import apply_learner_state, learner_state, map_tensors, sharded_learner_state, to_cpu
 
 
 def rank_checkpoint_state(learner: LocalLearner, strategy: str, prefix: str,
@@ -44,7 +43,7 @@ def rank_checkpoint_state(learner: LocalLearner, strategy: str, prefix: str,
         state = sharded_learner_state(learner, prefix, Path(directory))
         return state if rank == 0 else None
     state = fsdp2_state(learner, prefix) if strategy == "fsdp2" else (
-        _to_cpu(learner_state(learner, prefix)) if rank == 0 else None)
+        to_cpu(learner_state(learner, prefix)) if rank == 0 else None)
     return None if state is None else _apart_from(learner, state)
 
 
@@ -62,16 +61,7 @@ def _apart_from(learner: LocalLearner, state: tuple[dict, dict]) -> tuple[dict, 
     live |= {_storage(v) for entry in learner.optimizer.state.values() for v in entry.values()
              if isinstance(v, torch.Tensor)}
 
-    def apart(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.clone() if _storage(value) in live else value
-        if isinstance(value, dict):
-            return {k: apart(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(apart(v) for v in value)
-        return value
-
-    return apart(state)
+    return map_tensors(lambda t: t.clone() if _storage(t) in live else t, state)
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -91,22 +81,6 @@ def rank_load_checkpoint_state(learner: LocalLearner, strategy: str, tensors: di
         apply_fsdp2_state(learner, tensors, meta, path, prefix)
     else:
         apply_learner_state(learner, tensors, meta, path, prefix)
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
-    return _map_tensors(lambda t: t.detach().cpu(), value)
-
-
-def _map_tensors(fn: Any, value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor in it (nested dicts, lists, tuples)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(fn, v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    return value
 
 
 def fsdp2_state(learner: LocalLearner, prefix: str) -> tuple[dict, dict] | None:

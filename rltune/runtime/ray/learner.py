@@ -61,7 +61,7 @@ from rltune.runtime.ray.learner_layout import (
     position_of,
 )
 from rltune.checkpoint.sharded import writes_shards
-from rltune.runtime.ray.fsdp_state import _to_cpu, rank_checkpoint_state, rank_load_checkpoint_state  # noqa: F401 - roles.py takes _to_cpu from here
+from rltune.runtime.ray.fsdp_state import rank_checkpoint_state, rank_load_checkpoint_state
 from rltune.runtime.ray.gather import gather_one_by_one, send_streamed
 
 ROLE = "learner"

@@ -19,22 +19,21 @@ from ray.exceptions import RayActorError
 from rltune.algos import Algorithm
 from rltune.config import Config
 from rltune.data.records import TrainBatch
-from rltune.learner.learner import predict
-from rltune.learner.objectives import logprobs_only
 from rltune.metrics.types import MetricLike
 from rltune.rewards.scorer import RewardFn
-from rltune.runtime.ray.cluster import Placement, RayRuntimeError, actor_setup, death_reason
-from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup, _to_cpu as to_cpu
+from rltune.runtime.ray.cluster import Placement, RayRuntimeError, actor_device, actor_setup, death_reason
+from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup
 from rltune.runtime.ray.rollouts import ActorPool, RayGenerator, RayScorer
 from rltune.runtime.roles import (
     EnvFactory,
     critic_learner,
     load_reference_model,
     lookup_algorithm,
+    model_logprobs,
     reference_options,
     seed_everything,
 )
-from rltune.runtime.state import apply_learner_state, learner_state
+from rltune.runtime.state import apply_learner_state, learner_state, to_cpu
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,14 +62,14 @@ class ReferenceWorker:
     def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
         actor_setup(threads)
         seed_everything(cfg.train.seed)
-        self.model = load_reference_model(cfg, model_dir)
+        self.model = load_reference_model(cfg, model_dir, actor_device())
         self.options = reference_options(cfg)
 
     def pid(self) -> int:
         return os.getpid()
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return predict(self.model, logprobs_only, batch, **self.options).cpu()
+        return model_logprobs(self.model, batch, self.options)
 
 
 class CriticWorker:
@@ -79,7 +78,7 @@ class CriticWorker:
     def __init__(self, cfg: Config, model_dir: str, threads: int) -> None:
         actor_setup(threads)
         seed_everything(cfg.train.seed)
-        self.learner = critic_learner(cfg, model_dir)
+        self.learner = critic_learner(cfg, model_dir, actor_device())
 
     def step(self, batch: TrainBatch) -> dict[str, MetricLike]:
         return self.learner.step(batch)
@@ -183,6 +182,9 @@ class RayRunState:
 
 class RayRoles:
     """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``)."""
+
+    device = None
+    """The driver's own copies stay where they load; each actor picks its device."""
 
     def __init__(self, placement: Placement, config_dir: Path | None, run_dir: Path) -> None:
         self.placement = placement

@@ -33,6 +33,7 @@ from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.ray.cluster import (
     Placement,
     RayRuntimeError,
+    actor_device,
     actor_setup,
     death_reason,
     record_fault,
@@ -64,7 +65,7 @@ class GeneratorWorker:
             base = Path(config_dir) if config_dir else None
             make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=base)
         self.rng = torch.Generator().manual_seed(seed)
-        self.model = load_policy(cfg, model_dir).eval() if cfg.rollout.engine == "hf" else None
+        self.model = load_policy(cfg, model_dir).to(actor_device()).eval() if cfg.rollout.engine == "hf" else None
         self.generator = make_generator(cfg, model_dir, self.model, tokenizer, self.rng, make_env)
         self.sampler = getattr(self.generator, "generator", self.generator)
         """The sampler itself (inside an environment's episode generator, when there is one)."""

@@ -243,8 +243,11 @@ def test_offload_refusals(tiny_model) -> None:
         _learner(copy.deepcopy(tiny_model), offload="optimizer")
     with pytest.raises(MemorySettingError, match="needs train.parallel dp_shard > 1"):
         _learner(copy.deepcopy(tiny_model), offload="params")
-    with pytest.raises(ValueError, match="runtime.mode: local trains on the CPU"):
-        Config(train={"offload": "optimizer"})
+    with pytest.raises(ValueError, match="runtime.device: cpu trains on the CPU"):
+        Config(train={"offload": "optimizer"}, runtime={"device": "cpu"})
+    Config(train={"offload": "optimizer"})  # runtime.device: auto: the local runtime decides on the machine
+    with pytest.raises(ValueError, match="leave runtime.device at auto"):
+        Config(runtime={"mode": "ray", "device": "cuda"})
     gpu_learners = {"learners": 2, "learner": {"gpus": 1}}
     with pytest.raises(ValueError, match=r"reserve no GPU \(runtime.placement.learner.gpus: 0\)"):
         Config(train={"offload": "optimizer"}, runtime={"mode": "ray", "placement": {"learners": 2}})

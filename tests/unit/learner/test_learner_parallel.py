@@ -28,6 +28,7 @@ class Recording(NoParallelism):
     each plan, as a rank with fewer micro-batches than the busiest gets from FSDP2."""
 
     def __init__(self, extra: int = 0) -> None:
+        super().__init__()
         self.extra = extra
         self.calls: list[tuple] = []
 
