@@ -206,9 +206,12 @@ def config_sections(plan: Plan, cluster: Cluster | None = None, base: Any = None
     ``activation_checkpointing``, ``offload``), ``rollout.vllm.tensor_parallel_size`` for
     engines over several devices, and ``algo.importance_correction: token-truncate`` when
     the plan is stale and ``base`` (the loaded input ``Config``, or None) has none
-    (rltune refuses staleness without it). One device is the local runtime (one process);
-    more are Ray actors, a learner a device, a generator ``generator_tp`` devices, or half
-    of a learner's device each when colocated."""
+    (rltune refuses staleness without it). One device is the local runtime (one process,
+    ``runtime.device`` the cluster's kind: ``cuda`` or ``cpu``); more are Ray actors, a
+    learner a device, a generator ``generator_tp`` devices, or half of a learner's device
+    each when colocated. A plan with ``offload: optimizer`` (a replicated learner, see
+    :func:`~rltune.plan.search.offload_ok`) has no ``train.parallel``: its learners are a
+    DDP group, whose parameters stay whole, as that offload needs."""
     c = plan.candidate
     one_process = c.gpus == 1
     learner_gpu, generator_gpu = (0.5, 0.5) if c.colocate else (1.0, float(c.generator_tp))
@@ -227,6 +230,10 @@ def config_sections(plan: Plan, cluster: Cluster | None = None, base: Any = None
                   "micro_batch_tokens": c.micro_batch_tokens, "activation_checkpointing": c.activation_checkpointing,
                   "offload": c.offload},
     }
+    if one_process and cluster is not None:
+        sections["runtime"]["device"] = "cpu" if cluster.kind == "cpu" else "cuda"
+    if c.offload == "optimizer":
+        del sections["train"]["parallel"]
     if c.max_staleness > 0 and (base is None or base.algo.importance_correction == "none"):
         sections["algo"] = {"importance_correction": "token-truncate"}
     if c.generator_tp > 1 and not c.colocate:
@@ -261,7 +268,10 @@ def write_config(base_cfg_path: str | Path, plan: Plan, out_path: str | Path, cl
         data = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
     except (OSError, ConfigError) as err:
         raise PlanError(f"--write: cannot read the input config {base_path}: {err}") from None
-    merged = merge(data, config_sections(plan, cluster, base_cfg))
+    sections = config_sections(plan, cluster, base_cfg)
+    merged = merge(data, sections)
+    if "parallel" not in sections["train"] and isinstance(merged.get("train"), dict):
+        merged["train"].pop("parallel", None)  # a DDP learner: the input's layout would shard it
     try:
         out.write_text(yaml.safe_dump(merged, sort_keys=False, allow_unicode=True), encoding="utf-8")
         load_config(out)

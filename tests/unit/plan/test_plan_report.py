@@ -94,8 +94,30 @@ def test_sections_colocated_and_one_process():
     assert "algo" not in s and "rollout" not in s
     one = config_sections(_plan(Candidate(learner=LearnerLayout(), colocate=True), decode=1, learn=1, step=3, sps=1),
                           Cluster(gpus=1, kind="cpu"))
-    assert one["runtime"]["mode"] == "local"
+    assert one["runtime"]["mode"] == "local" and one["runtime"]["device"] == "cpu"
     assert one["runtime"]["placement"]["learner"] == {"cpus": 1.0, "gpus": 0.0}
+    gpu = config_sections(_plan(Candidate(learner=LearnerLayout(), colocate=True), decode=1, learn=1, step=3, sps=1),
+                          Cluster(gpus=1))
+    assert gpu["runtime"]["device"] == "cuda"  # the plan's GPU, or a clear refusal on a machine without one
+    assert "device" not in config_sections(COLO, Cluster(gpus=8))["runtime"]  # Ray actors take placement's GPUs
+
+
+def test_optimizer_offload_is_written_as_a_ddp_group(tmp_path):
+    """A replicated learner with its optimizer state on the host (the only layout the
+    search gives ``offload: optimizer``) is a DDP group: no ``train.parallel``, not even
+    the input's, since a layout's learner shards its parameters and the offload needs them
+    whole. rltune's loader accepts the result."""
+    cand = Candidate(learner=LearnerLayout(dp_replicate=2), generator_replicas=2, colocate=True, offload="optimizer")
+    plan = _plan(cand, decode=1, learn=1, step=3, sps=1)
+    s = config_sections(plan, Cluster(gpus=2))
+    assert "parallel" not in s["train"] and s["train"]["offload"] == "optimizer"
+    assert s["runtime"]["placement"]["learner_strategy"] == "ddp" and s["runtime"]["placement"]["learners"] == 2
+    base = tmp_path / "in.yaml"
+    base.write_text(yaml.safe_dump({"name": "x", "model": {"path": "builtin:tiny"},
+                                    "train": {"lr": 3e-4, "parallel": {"dp_shard": 2}}}))
+    cfg = load_config(write_config(base, plan, tmp_path / "out.yaml", Cluster(gpus=2)))
+    assert not cfg.train.parallel.model_fields_set and cfg.train.offload == "optimizer"
+    assert cfg.runtime.mode == "ray" and cfg.runtime.placement.learners == 2 and cfg.train.lr == 3e-4
 
 
 def test_staleness_keeps_a_chosen_correction():
