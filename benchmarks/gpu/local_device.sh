@@ -3,12 +3,8 @@
 # tests/e2e/test_e2e_device.py (PPO with a reference and a critic, resume, DPO), which skip
 # on a machine without CUDA, then the demo recipe through the CLI on the GPU. Never part of CI.
 #   bash benchmarks/gpu/local_device.sh     # from anywhere, in the venv
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi -L
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+source "$(dirname "$0")/setup.sh"
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'"
 "$PY" -m pytest -q -rs tests/e2e/test_e2e_device.py -k cuda
 runs=$(mktemp -d)
 "$PY" -m rltune.cli train recipes/arith-grpo.yaml model.path=builtin:tiny train.steps=30 data.eval=null \

@@ -2,11 +2,7 @@
 # Learner layouts on NVIDIA GPUs (NCCL): the equivalence checks, then learner MFU of a
 # 1B-class model at each layout that fits this machine's GPUs. Never part of CI.
 #   bash benchmarks/gpu/parallel.sh            # from the repository root, in the venv
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
-nvidia-smi -L
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+source "$(dirname "$0")/setup.sh"
 echo "== equivalence on NCCL (two optimizer steps, fp32, TF32 off) =="
 "$PY" benchmarks/gpu/parallel.py check
 echo "== learner MFU, 1B-class Qwen2, bf16, seq 2048 =="
