@@ -117,8 +117,10 @@ def frozen_fingerprint(model: torch.nn.Module) -> str:
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         flat = tensor.reshape(-1)
         if flat.numel():
-            at = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel()), device=flat.device)
-            sample = flat[at.round().long()].to("cpu").contiguous()
+            # the positions on the CPU wherever the weights are: a GPU's linspace may round
+            # them differently, and a run saved on one device resumes on another
+            at = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel())).round().long()
+            sample = flat[at.to(flat.device)].to("cpu").contiguous()
             digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
