@@ -118,6 +118,9 @@ def _read_yaml(path: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                          "save it as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     loader = _UniqueKeyLoader(text)

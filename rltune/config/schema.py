@@ -5,7 +5,7 @@ Every field has its default here and nowhere else. Imports no torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -203,10 +203,10 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    stop: tuple[str, ...] = ()
+    stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     engine: Literal["hf", "vllm"] = "hf"
     """``hf``: rltune's sampler on the transformers model (CPU or GPU; the local runtime
     shares the learner's module). ``vllm``: a vLLM engine holding its own copy of the
@@ -308,7 +308,7 @@ class MlflowConfig(_Section):
 class LogConfig(_Section):
     dir: str = "runs"
     console: bool = True
-    samples_per_step: int | None = None
+    samples_per_step: int | None = Field(None, ge=0)
     """Rollouts written to samples.jsonl per step; None writes all."""
     tensorboard: bool = False
     """Also write TensorBoard event files to ``RUN/tensorboard`` (``pip install 'rltune[tensorboard]'``)."""
@@ -342,11 +342,11 @@ class CheckpointConfig(_Section):
 class EvalConfig(_Section):
     every: int = Field(0, ge=0)
     """Evaluate every N steps; 0 only before and after training (when ``data.eval`` is set)."""
-    max_prompts: int | None = None
+    max_prompts: int | None = Field(None, ge=1)
     batch_size: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0)
     """0 is greedy."""
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = Field(None, ge=1)
     """None uses ``rollout.max_new_tokens``."""
 
 

@@ -3,7 +3,7 @@ the learner group's layout (``train.parallel``). Imports no torch."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,12 +19,12 @@ class TrainConfig(_Section):
     prompts_per_step: int = Field(16, ge=1)
     """Prompts drawn per step; online algorithms learn on ``prompts_per_step * group_size``
     samples, SFT on ``prompts_per_step`` examples."""
-    lr: float = Field(1e-5, ge=0)
+    lr: float = Field(1e-5, ge=0, allow_inf_nan=False)
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=1)
     """Token budget (rows x padded length) of one micro-batch; gradients accumulate."""
@@ -59,8 +59,9 @@ class TrainConfig(_Section):
     max_reward_error_steps: int = Field(3, ge=0)
     """Stop with an error after this many consecutive steps on which the reward failed on
     every sample (each such step learns nothing and is warned about); 0 never stops."""
-    seed: int = 0
-    threads: int | None = None
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds Python, numpy (which takes 0 to 2**32 - 1) and torch."""
+    threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the learner (and of the generator when it runs in the
     learner's thread); None leaves torch's default, except in a local run with rollouts
     ahead of the learner, where None is the threads ``rollout.threads`` leaves."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -228,6 +229,30 @@ def test_non_mapping_top_level(tmp_path, text, kind):
 def test_file_not_found_names_path(tmp_path):
     path = tmp_path / "missing" / "exp.yaml"
     assert error_of(path) == f"config file not found: {path}"
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(b"name: \xff\n")
+    assert error_of(path) == f"config file {path} is not UTF-8 text (byte 6: invalid start byte); save it as UTF-8"
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("eval.max_prompts=0", "eval.max_prompts: must be >= 1"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens: must be >= 1"),  # not "use rollout.max_new_tokens"
+    ("train.threads=0", "train.threads: must be >= 1"),  # not torch's default
+    ("train.seed=-5", "train.seed: must be >= 0"),  # numpy takes 0 to 2**32 - 1
+    ("train.seed=4294967296", "train.seed: must be < 4294967296"),
+    ("train.betas=[0.9,1.5]", "train.betas[1]: must be < 1"),
+    ("train.lr=inf", "train.lr: must be a finite number"),
+    ("train.weight_decay=inf", "train.weight_decay: must be a finite number"),
+    ("rollout.temperature=inf", "rollout.temperature: must be a finite number"),
+    ('rollout.stop=[""]', "rollout.stop[0]"),  # an empty stop string would end every completion at once
+    ("log.samples_per_step=-1", "log.samples_per_step: must be >= 0"),
+])
+def test_values_outside_what_the_run_can_use_are_refused(override, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(None, [override])
 
 
 def test_invalid_yaml_and_duplicate_keys(tmp_path):
