@@ -131,7 +131,7 @@ def _load_file(target: str, *, spec: str, base_dir: str | None) -> ModuleType:
     sys.modules[module_name] = module
     try:
         import_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file raised while running: report it with the file
+    except (Exception, SystemExit) as exc:  # the user's file raised (or exited) while running: name the file
         del sys.modules[module_name]
         raise RewardLoadError(
             f"reward spec {spec!r}: running {path} failed: {type(exc).__name__}: {exc}"
@@ -147,7 +147,7 @@ def _import_module(name: str, *, spec: str, base_dir: str | None) -> ModuleType:
         raise RewardLoadError(
             f"reward spec {spec!r}: cannot import module {name!r}: {exc}{hint}"
         ) from exc
-    except Exception as exc:  # the module itself raised on import
+    except (Exception, SystemExit) as exc:  # the module itself raised (or exited) on import
         raise RewardLoadError(
             f"reward spec {spec!r}: importing module {name!r} failed: "
             f"{type(exc).__name__}: {exc}"

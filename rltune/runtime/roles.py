@@ -31,7 +31,7 @@ from rltune.learner.parallel import NoParallelism
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
 from rltune.models.chunked import set_logprob_chunk_tokens
-from rltune.models.load import load_model, router_aux_loss_coef
+from rltune.models.load import ModelLoadError, load_model, router_aux_loss_coef
 from rltune.models.lora import apply_lora
 from rltune.models.routing import install_routing
 from rltune.models.vision import freeze_vision, is_vision_language
@@ -176,9 +176,15 @@ def reference_options(cfg: Config) -> dict:
 def critic_learner(cfg: Config, model_dir: str, device: torch.device | None = None) -> LocalLearner:
     """PPO's critic: the policy's body with a value head, its own AdamW at ``critic_lr``,
     on ``device`` (None: where it loads, the CPU)."""
-    critic = load_critic(
-        cfg.model.critic_path or model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
-    )
+    try:
+        critic = load_critic(
+            cfg.model.critic_path or model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except ModelLoadError as err:
+        if cfg.model.critic_path is None:
+            raise
+        # the loader's fixes name the policy's key; here the directory came from the critic's
+        raise ModelLoadError(f"model.critic_path: {err}".replace("`model.path`", "`model.critic_path`")) from err
     if cfg.model.freeze_vision and is_vision_language(critic.body):
         freeze_vision(critic.body)  # model.freeze_vision holds for the critic's tower and projector too
     lr = cfg.algo.critic_lr if cfg.algo.critic_lr is not None else cfg.train.lr

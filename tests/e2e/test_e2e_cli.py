@@ -268,3 +268,8 @@ def test_a_memory_setting_the_model_cannot_take_is_one_message(capsys, config_fi
     err = fails(capsys, ["train", str(config_file()), "model.path=builtin:tiny-moe",
                          "train.activation_checkpointing=full", "train.compile=true"])
     assert "mixture-of-experts" in err and "turn one of the two off" in err
+
+
+def test_a_missing_critic_path_names_its_own_key(capsys, config_file, tmp_path):
+    err = fails(capsys, ["train", str(config_file()), "algo.name=ppo", f"model.critic_path={tmp_path / 'none'}"])
+    assert err.startswith("error: model.critic_path: model path") and "set `model.critic_path` to" in err

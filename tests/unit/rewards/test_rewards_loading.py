@@ -121,6 +121,9 @@ def test_module_that_raises_on_import(tmp_path: Path) -> None:
     path = _write(tmp_path / "broken.py", "raise RuntimeError('needs GPU')\n")
     with pytest.raises(RewardLoadError, match="running .*broken.py failed: RuntimeError: needs GPU"):
         load_reward_fn(f"{path}:f")
+    path = _write(tmp_path / "exits.py", "import sys\nsys.exit('bye')\n")
+    with pytest.raises(RewardLoadError, match="running .*exits.py failed: SystemExit: bye"):
+        load_reward_fn(f"{path}:f")
     path = _write(tmp_path / "syntax.py", "def f(:\n")
     with pytest.raises(RewardLoadError, match="SyntaxError"):
         load_reward_fn(f"{path}:f")
