@@ -30,7 +30,6 @@ The one planner module that imports torch (inside the measuring functions).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -43,13 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from rltune.plan.calibration_file import save_calibration
 from rltune.plan.catalogue import CATALOGUE
 from rltune.plan.errors import PlanError
 from rltune.plan.spec import Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, Workload
-
-CALIBRATION_FORMAT = "rltune-plan-calibration"
-CALIBRATION_VERSION = 1
-"""Bumped when the file's layout or a constant's meaning changes (older files refused)."""
 
 INVERSE = ("train_mfu", "prefill_mfu", "decode_bandwidth", "decode_mfu", "comm_bandwidth")
 """Efficiencies the model divides by: fitted as their inverse."""
@@ -162,57 +158,6 @@ def fit_efficiency(probes: Sequence[Probe], cluster: Cluster, *, start: Efficien
         if np.allclose(theta, old, rtol=1e-12, atol=0.0):
             break
     return eff, fitted
-
-
-# ----------------------------------------------------------------------------- the file
-
-
-def save_calibration(path: Path, cluster: Cluster, eff: Efficiency, *, fitted: Sequence[str],
-                     machine: dict[str, Any], probes: Sequence[dict[str, Any]] = ()) -> Path:
-    """Write the calibration JSON: format, version, the machine, the CPU cluster, the
-    efficiencies (with which were fitted) and the probes measured and predicted."""
-    doc = {
-        "format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "machine": machine,
-        "cluster": dataclasses.asdict(cluster), "efficiency": dataclasses.asdict(eff),
-        "fitted": list(fitted), "probes": list(probes),
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    return path
-
-
-def _record(cls: type, data: Any, path: Path, key: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    if not isinstance(data, dict) or set(data) - names:
-        unknown = sorted(set(data) - names) if isinstance(data, dict) else type(data).__name__
-        raise PlanError(f"calibration file {path}: `{key}` is not a {cls.__name__} ({unknown}); "
-                        "run `rltune plan --calibrate` again")
-    try:
-        return cls(**data)
-    except TypeError as err:
-        raise PlanError(f"calibration file {path}: `{key}`: {err}; run `rltune plan --calibrate` again") from None
-
-
-def load_calibration(path: str | Path) -> tuple[Cluster, Efficiency]:
-    """The CPU :class:`Cluster` and fitted :class:`Efficiency` of a calibration file."""
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        raise PlanError(f"calibration file {path}: cannot read it ({err.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise PlanError(f"calibration file {path}: not JSON ({err}); run `rltune plan --calibrate` again") from None
-    if not isinstance(doc, dict) or doc.get("format") != CALIBRATION_FORMAT:
-        raise PlanError(f"calibration file {path}: not an rltune plan calibration (no "
-                        f"\"format\": \"{CALIBRATION_FORMAT}\")")
-    if doc.get("version") != CALIBRATION_VERSION:
-        raise PlanError(f"calibration file {path}: version {doc.get('version')!r}, this rltune reads "
-                        f"version {CALIBRATION_VERSION}; run `rltune plan --calibrate` again")
-    for key in ("cluster", "efficiency"):
-        if key not in doc:
-            raise PlanError(f"calibration file {path}: no `{key}`; run `rltune plan --calibrate` again")
-    return _record(Cluster, doc["cluster"], path, "cluster"), _record(Efficiency, doc["efficiency"], path, "efficiency")
 
 
 def _proc_line(path: str, prefix: str) -> str | None:

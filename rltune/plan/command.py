@@ -95,7 +95,7 @@ def _cluster_and_efficiency(args: argparse.Namespace) -> tuple[Any, Any]:
     from rltune.plan.spec import Efficiency
 
     if args.calibration is not None:
-        from rltune.plan.calibrate import load_calibration
+        from rltune.plan.calibration_file import load_calibration
 
         cluster, eff = load_calibration(args.calibration)
         if args.gpus is not None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rltune.plan import calibrate as cal
+from rltune.plan import calibration_file as cal_file
 from rltune.plan.catalogue import spec_from_config, tiny_config
 from rltune.plan.errors import PlanError
 from rltune.plan.spec import Candidate, Cluster, Efficiency, LearnerLayout, Workload
@@ -112,16 +113,16 @@ def test_the_cpu_cluster_has_a_device_per_threads_cores() -> None:
 
 
 def test_the_file_round_trips(tmp_path: Path) -> None:
-    path = cal.save_calibration(tmp_path / "c.json", CPU, TRUTH, fitted=("train_mfu",),
+    path = cal_file.save_calibration(tmp_path / "c.json", CPU, TRUTH, fitted=("train_mfu",),
                                 machine={"cpu": "x", "cores": 2}, probes=[{"what": "p", "measured_s": 1.0}])
-    assert cal.load_calibration(path) == (CPU, TRUTH)
+    assert cal_file.load_calibration(path) == (CPU, TRUTH)
     doc = json.loads(path.read_text())
-    assert (doc["format"], doc["version"], doc["fitted"]) == (cal.CALIBRATION_FORMAT, cal.CALIBRATION_VERSION,
+    assert (doc["format"], doc["version"], doc["fitted"]) == (cal_file.CALIBRATION_FORMAT, cal_file.CALIBRATION_VERSION,
                                                             ["train_mfu"])
 
 
 def _saved(tmp_path: Path, **changes: object) -> Path:
-    path = cal.save_calibration(tmp_path / "c.json", CPU, TRUTH, fitted=(), machine={})
+    path = cal_file.save_calibration(tmp_path / "c.json", CPU, TRUTH, fitted=(), machine={})
     doc = json.loads(path.read_text()) | changes
     path.write_text(json.dumps(doc))
     return path
@@ -133,11 +134,20 @@ def _saved(tmp_path: Path, **changes: object) -> Path:
     ({"efficiency": {"train_mfu": 0.5, "warp_factor": 9}}, r"`efficiency` is not a Efficiency \(\['warp_factor'\]\)"),
     ({"cluster": {"tflops": 1.0}}, r"`cluster`: .*missing 1 required positional argument: 'gpus'"),
     ({"cluster": None}, r"`cluster` is not a Cluster"),
+    # hand-edited values the timing model would divide by, or compute with, as given
+    ({"efficiency": {"train_mfu": 0}}, r"`efficiency.train_mfu` is 0: expected a number > 0 \(the planner divides by it\)"),
+    ({"efficiency": {"train_mfu": "0.4"}}, r"`efficiency.train_mfu` is '0.4': expected a finite number"),
+    ({"efficiency": {"score_s": -1.0}}, r"`efficiency.score_s` is -1.0: expected seconds >= 0"),
+    ({"efficiency": {"decode_mfu": True}}, r"`efficiency.decode_mfu` is True: expected a finite number"),
+    ({"cluster": {"gpus": 1.5}}, r"`cluster.gpus` is 1.5: expected an integer >= 1"),
+    ({"cluster": {"gpus": 1, "tflops": -3}}, r"`cluster.tflops` is -3: expected a number > 0"),
+    ({"cluster": {"gpus": 1, "kind": "tpu"}}, r"`cluster.kind` is 'tpu': expected one of \['gpu', 'cpu'\]"),
+    ({"cluster": {"gpus": 1, "name": 7}}, r"`cluster.name` is 7: expected a string"),
 ])
 def test_a_bad_file_is_refused_with_one_line(tmp_path: Path, changes: dict, message: str) -> None:
     path = _saved(tmp_path, **changes)
     with pytest.raises(PlanError, match=message) as err:
-        cal.load_calibration(path)
+        cal_file.load_calibration(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
@@ -145,9 +155,9 @@ def test_a_corrupt_or_missing_file_is_refused(tmp_path: Path) -> None:
     path = _saved(tmp_path)
     path.write_text(path.read_text()[:40])
     with pytest.raises(PlanError, match=f"calibration file {path}: not JSON"):
-        cal.load_calibration(path)
+        cal_file.load_calibration(path)
     with pytest.raises(PlanError, match="cannot read it"):
-        cal.load_calibration(tmp_path / "absent.json")
-    path.write_text(json.dumps({"format": cal.CALIBRATION_FORMAT, "version": cal.CALIBRATION_VERSION}))
+        cal_file.load_calibration(tmp_path / "absent.json")
+    path.write_text(json.dumps({"format": cal_file.CALIBRATION_FORMAT, "version": cal_file.CALIBRATION_VERSION}))
     with pytest.raises(PlanError, match="no `cluster`"):
-        cal.load_calibration(path)
+        cal_file.load_calibration(path)
