@@ -429,10 +429,7 @@ def _read_marker(path: Path) -> dict[str, str]:
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     marker = path / MARKER
     if not marker.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} has no {MARKER} marker: the save that wrote it did not finish; "
-            "load a complete one (latest_checkpoint(root) returns the newest)"
-        )
+        raise CheckpointError(_not_a_checkpoint(path))
     try:
         record = json.loads(marker.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -455,6 +452,23 @@ def _read_marker(path: Path) -> dict[str, str]:
             f"checkpoint {path}: directory says step {match[1]} but {MARKER} says {record.get('step')!r}"
         )
     return files
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    """Why directory ``path`` (without a marker) is not a checkpoint, and which one to give
+    instead: a run directory (``RUN/checkpoints/step-N``), a checkpoint root, or an
+    interrupted save beside complete ones."""
+    if _STEP_DIR.fullmatch(path.name):
+        newest = latest_checkpoint(path.parent)
+        instead = f"; the newest complete one beside it is {newest}" if newest else ""
+        return f"checkpoint {path} has no {MARKER} marker: the save that wrote it did not finish{instead}"
+    for root, what in ((path / "checkpoints", "a run directory"), (path, "a directory of checkpoints")):
+        if root.is_dir() and (newest := latest_checkpoint(root)) is not None:
+            return (
+                f"checkpoint {path} is {what}, not one checkpoint; give a step directory, e.g. its newest "
+                f"checkpoint.resume={newest} (or continue that run with checkpoint.resume=auto and its name)"
+            )
+    return f"checkpoint {path} is not a checkpoint: it has no {MARKER} marker (a step-N directory of a run's checkpoints)"
 
 
 def _sha256(path: Path, *, fsync: bool = False) -> str:

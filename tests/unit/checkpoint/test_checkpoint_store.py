@@ -106,7 +106,7 @@ def test_crash_leftovers_are_ignored_then_cleaned_or_moved_aside(tmp_path):
     (tmp_path / "notes.txt").write_text("not ours")
 
     assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
-    with pytest.raises(CheckpointError, match=r"step-9 has no COMPLETE marker"):
+    with pytest.raises(CheckpointError, match=r"step-9 has no COMPLETE marker: .*newest complete one beside it is .*step-2$"):
         load_checkpoint(tmp_path / "step-9")
 
     _save(tmp_path, 3)
@@ -272,3 +272,17 @@ def test_set_aside_never_overwrites(tmp_path):
         (tmp_path / "step-5").mkdir()
         store.set_aside(tmp_path / "step-5", "no-marker")
     assert _names(tmp_path) == [".skipped-step-5-no-marker", ".skipped-step-5-no-marker-2"]
+
+
+def test_a_run_or_checkpoints_directory_given_as_a_checkpoint_names_the_step_to_give(tmp_path):
+    run = tmp_path / "run"
+    _save(run / "checkpoints", 2)
+    _save(run / "checkpoints", 5)
+    newest = run / "checkpoints" / "step-5"
+    with pytest.raises(CheckpointError, match=rf"{run} is a run directory, not one checkpoint; .*resume={newest} "):
+        load_checkpoint(run)
+    with pytest.raises(CheckpointError, match=rf"is a directory of checkpoints, not one checkpoint; .*resume={newest} "):
+        load_checkpoint(run / "checkpoints")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CheckpointError, match=r"other is not a checkpoint: it has no COMPLETE marker"):
+        load_checkpoint(tmp_path / "other")
