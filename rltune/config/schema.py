@@ -421,6 +421,10 @@ def _reward_name_problems(cfg: Config) -> list[str]:
     problems = []
     for i, entry in enumerate(cfg.reward):
         name = entry.name if entry.name is not None else entry.fn.rpartition(":")[2].strip()
+        if not name and entry.name is None:  # the spec is wrong, not the name
+            problems.append(f"reward[{i}].fn={entry.fn!r} names no function after ':'; "
+                            "expected `module:function` or `path/to/file.py:function`")
+            continue
         problem = reward_name_problem(name, runtime_rewards=added)
         if problem is not None:
             problems.append(f"reward[{i}] ({entry.fn}): {problem}; give it another `name:`")

@@ -195,6 +195,12 @@ def test_a_reward_named_like_a_statistic_of_the_total_is_refused(tmp_path, name)
     assert "give it another `name:`" in message and "\n" not in message.split("  - ", 1)[1]
 
 
+def test_a_reward_spec_without_a_function_is_named_as_a_spec_problem(tmp_path):
+    message = error_of(write(tmp_path, "reward:\n  - {fn: 'r.py:'}\n"))
+    assert "reward[0].fn='r.py:' names no function after ':'; expected `module:function`" in message
+    assert "name:" not in message
+
+
 def test_a_reward_named_like_a_reward_the_run_adds_itself_is_refused(tmp_path):
     overlong = "reward:\n  - {fn: builtin:overlong, kwargs: {max_chars: 10, buffer_chars: 2}}\n"
     assert load_config(write(tmp_path, overlong)).reward[0].fn == "builtin:overlong"  # the run adds no overlong
