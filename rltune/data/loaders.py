@@ -88,6 +88,10 @@ class PromptSet:
         return len(self.prompts)
 
 
+# A prompt's other fields are given to reward functions as keywords beside these.
+_REWARD_ARGS = frozenset({"prompt", "completion"})
+
+
 class _BadRow(Exception):
     """A row that fails a check: what is wrong and which setting or fix addresses it."""
 
@@ -178,6 +182,12 @@ def _row_to_prompt(
     if with_pairs:
         not_meta |= {cfg.chosen_field, cfg.rejected_field}
     meta = {k: v for k, v in row.items() if k not in not_meta}
+    if not (with_pairs or with_completion) and (taken := sorted(_REWARD_ARGS & meta.keys())):
+        raise _BadRow(
+            f"the field {taken[0]!r} would reach the reward functions as a keyword, but "
+            f"`{taken[0]}` is already their argument (fn(prompt, completion, **fields))",
+            f"rename the field, or make it the prompt with data.prompt_field: {taken[0]}",
+        )
     if with_pairs:
         meta["chosen"] = _response_text(row, cfg.chosen_field, asked, "data.chosen_field")
         meta["rejected"] = _response_text(row, cfg.rejected_field, asked, "data.rejected_field")

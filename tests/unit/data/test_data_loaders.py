@@ -141,6 +141,21 @@ def test_bad_row_names_file_row_and_setting(tmp_path, chatml_tok, name):
     assert message.endswith(hint) and skip.skip_examples == [message.removesuffix(hint)]
 
 
+@pytest.mark.parametrize("field", ["prompt", "completion"])
+def test_a_field_named_like_a_reward_argument_is_refused_where_rewards_read_it(tmp_path, chatml_tok, field):
+    # fn(prompt, completion, **fields) would get the argument twice on every call
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", field: "x", "answer": "2"}])
+    cfg = DataConfig(prompt_field="question", completion_field="target")
+    with pytest.raises(DataError, match=rf"d.jsonl: row 1: the field '{field}' would reach the reward "
+                                        rf"functions as a keyword.*data.prompt_field: {field}"):
+        load_prompts(str(src), cfg, chatml_tok)
+    # SFT's rows are not scored by rewards: the field is only meta there
+    sft_src = _write_jsonl(tmp_path / "s.jsonl", [{"question": "1+1=", field: "x", "target": "2"}])
+    assert load_prompts(str(sft_src), cfg, chatml_tok, with_completion=True).prompts[0].meta[field] == (
+        "2" if field == "completion" else "x"
+    )
+
+
 def test_prompt_of_exactly_max_tokens_is_kept(tmp_path, chatml_tok):
     # 19 tokens of chat markup around the prompt text (see CHAT_OPEN / CHAT_CLOSE).
     assert len(chatml_tok(CHAT_OPEN + CHAT_CLOSE, add_special_tokens=False)["input_ids"]) == 19
