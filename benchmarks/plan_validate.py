@@ -39,11 +39,8 @@ from typing import Any
 
 import torch
 
-from rltune.plan.calibrate import (
-    load_calibration,
-    run_calibration,
-    synthetic_batch,
-)
+from rltune.plan.calibrate import run_calibration, synthetic_batch
+from rltune.plan.calibration_file import load_calibration
 from rltune.plan.spec import Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, Workload
 
 DIGIT_REWARD = (
@@ -182,8 +179,6 @@ def concurrency_slowdown(threads: int) -> float:
     time in each of two processes running it at once (the slower) over its time in one
     process alone. 1: independent devices, as the timing model assumes; 2: no faster
     than one device."""
-    from rltune.learner.launch import spawn_learner_group
-
     alone = SpeedReference(threads).seconds()
     return concurrent_reference_s(threads) / alone
 

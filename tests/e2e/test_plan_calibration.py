@@ -35,7 +35,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import plan_validate as validation  # noqa: E402
 
-from rltune.plan.calibrate import CALIBRATION_VERSION, FITTED, load_calibration  # noqa: E402
+from rltune.plan.calibrate import FITTED  # noqa: E402
+from rltune.plan.calibration_file import CALIBRATION_VERSION, load_calibration  # noqa: E402
 
 TOLERANCE = 0.25
 """The planner's accuracy on a quiet machine (the slow tests)."""

@@ -17,7 +17,7 @@ import yaml
 from rltune.cli import main
 from rltune.config import load_config
 from rltune.parallel.layout import layout_for, layout_problems
-from rltune.plan.calibrate import save_calibration
+from rltune.plan.calibration_file import save_calibration
 from rltune.plan.catalogue import CATALOGUE
 from rltune.plan.spec import Cluster, Efficiency
 from cli_check import fails
