@@ -178,6 +178,77 @@ def config_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
         problems.append(f"algo.dual_clip applies to token ratios; {name} clips one ratio per sequence")
     if a.skip_zero_advantage:
         problems.extend(skip_zero_advantage_problems(algorithm, cfg))
+    problems.extend(unused_key_problems(algorithm, cfg))
+    return problems
+
+
+# The built-in preference methods' own keys; a registered preference method may read any.
+_PREFERENCE_KEYS = {"dpo": {"beta", "dpo_kind", "label_smoothing"}, "simpo": {"beta", "simpo_gamma"}, "reward_model": set()}
+
+
+def _reads_preference_key(key: str) -> Callable[[Algorithm, Any], str | None]:
+    def reads(algorithm: Algorithm, a: Any) -> str | None:
+        if not algorithm.pairs:
+            return "it does not learn from preference pairs"
+        used = _PREFERENCE_KEYS.get(algorithm.name)
+        return None if used is None or key in used else "its loss has no such term"
+    return reads
+
+
+def _online(algorithm: Algorithm, a: Any) -> str | None:
+    return None if algorithm.online else "it learns from a fixed dataset and does not generate"
+
+
+# When each ``algo`` key is read: None when ``algorithm`` with ``algo`` section ``a`` reads
+# it, else why not. ``algo.epochs`` and ``algo.minibatches`` are read by every algorithm.
+_KEY_USE: dict[str, Callable[[Algorithm, Any], str | None]] = {
+    "group_size": _online,
+    "adv_scale": lambda al, a: None if al.advantage is group_advantages else "its advantages are not GRPO's",
+    "adv_eps": lambda al, a: None if al.advantage is group_advantages else "its advantages are not GRPO's",
+    "clip_low": _online,
+    "clip_high": _online,
+    "dual_clip": _online,
+    "aggregation": _online,
+    "kl_coef": _online,
+    "kl_kind": lambda al, a: _online(al, a) or ("the KL in the reward is k1" if a.kl_in_reward else None),
+    "kl_target": lambda al, a: None if a.kl_in_reward else "it adapts the KL in the reward (kl_in_reward: true)",
+    "kl_horizon": lambda al, a: None if a.kl_in_reward else "it adapts the KL in the reward (kl_in_reward: true)",
+    "gamma": lambda al, a: None if al.token_rewards else "it has no per-token returns",
+    "lam": lambda al, a: None if al.needs_critic else "it has no critic (GAE)",
+    "value_clip": lambda al, a: None if al.needs_critic else "it has no critic",
+    "critic_lr": lambda al, a: None if al.needs_critic else "it has no critic",
+    "critic_warmup_steps": lambda al, a: None if al.needs_critic else "it has no critic",
+    "dynamic_sampling": _online,
+    "max_refill_rounds": lambda al, a: _online(al, a) or (None if a.dynamic_sampling else "dynamic_sampling is off"),
+    "overlong_buffer": _online,
+    "overlong_penalty": lambda al, a: _online(al, a) or (None if a.overlong_buffer else "overlong_buffer is 0"),
+    "importance_correction": _online,
+    "importance_cap": lambda al, a: _online(al, a) or (
+        None if a.importance_correction != "none" else "importance_correction is none"
+    ),
+    **{key: _reads_preference_key(key) for key in ("beta", "dpo_kind", "label_smoothing", "simpo_gamma")},
+}
+
+
+def unused_key_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
+    """The keys set away from ``algorithm``'s defaults that it would not read, one line
+    each: a value that would be ignored is refused, not silently dropped (``algo.kl_coef``
+    on SFT, ``model.critic_path`` without a critic). A key left at its default, or set to
+    it, is not reported; the defaults are those of ``algo.name`` (its preset included)."""
+    a, name = cfg.algo, algorithm.name
+    defaults = type(a)(name=a.name)
+    problems = []
+    for key, why_not in _KEY_USE.items():
+        value = getattr(a, key)
+        if value == getattr(defaults, key):
+            continue
+        reason = why_not(algorithm, a)
+        if reason is not None:
+            problems.append(f"algo.{key}={value} has no effect with algo.name={name} ({reason}); remove it")
+    if cfg.model.critic_path is not None and not algorithm.needs_critic:
+        problems.append(
+            f"model.critic_path has no effect with algo.name={name} (it has no critic); remove it"
+        )
     return problems
 
 

@@ -47,7 +47,9 @@ REWARD = "reward=[{fn: builtin:exact_numeric}]"
         (["algo.name=grpo"], "algo.name=grpo needs at least one entry in `reward` (or an `env` whose steps give rewards)"),
         (["algo.name=rloo", "algo.group_size=1", REWARD], "algo.group_size must be >= 2 for rloo (the group is the baseline)"),
         (["algo.name=sft", "runtime.max_staleness=1", "algo.importance_correction=token-truncate"],
-         "runtime.max_staleness is for algorithms that generate; sft does not"),
+         ["runtime.max_staleness is for algorithms that generate; sft does not",
+          "algo.importance_correction=token-truncate has no effect with algo.name=sft "
+          "(it learns from a fixed dataset and does not generate); remove it"]),
         (["algo.name=grpo", "algo.kl_coef=0.1", "algo.kl_in_reward=true", REWARD],
          "algo.kl_in_reward needs per-token rewards (ppo, reinforce_pp, reinforce_pp_baseline); "
          "for grpo put the KL in the loss (kl_in_reward: false)"),
@@ -58,14 +60,76 @@ REWARD = "reward=[{fn: builtin:exact_numeric}]"
     ],
 )
 def test_the_registry_names_what_its_algorithm_cannot_run_with(overrides, expected):
-    assert problems(*overrides) == [expected]
+    assert problems(*overrides) == (expected if isinstance(expected, list) else [expected])
 
 
 def test_what_an_algorithm_can_run_with_has_no_problem():
     assert problems("algo.name=ppo", "algo.group_size=1", "algo.kl_coef=0.1", "algo.kl_in_reward=true", REWARD) == []
     assert problems("algo.name=gspo", REWARD) == []  # its preset's aggregation
-    assert problems("algo.name=dpo", "algo.group_size=1") == []  # offline: no reward, no group
+    assert problems("algo.name=dpo") == []  # offline: no reward, no group
+    assert problems("algo.name=sft", "algo.group_size=8") == []  # a key set to its default is not reported
     assert problems("algo.name=grpo", "env.name=builtin:tools") == []  # the environment's rewards
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["algo.name=sft", "algo.kl_coef=0.1"],
+         "algo.kl_coef=0.1 has no effect with algo.name=sft (it learns from a fixed dataset and does not generate); remove it"),
+        (["algo.name=dpo", "algo.group_size=4"],
+         "algo.group_size=4 has no effect with algo.name=dpo (it learns from a fixed dataset and does not generate); remove it"),
+        (["algo.name=grpo", "model.critic_path=/m", REWARD],
+         "model.critic_path has no effect with algo.name=grpo (it has no critic); remove it"),
+        (["algo.name=grpo", "algo.lam=0.9", REWARD], "algo.lam=0.9 has no effect with algo.name=grpo (it has no critic (GAE)); remove it"),
+        (["algo.name=rloo", "algo.adv_scale=none", REWARD],
+         "algo.adv_scale=none has no effect with algo.name=rloo (its advantages are not GRPO's); remove it"),
+        (["algo.name=grpo", "algo.gamma=0.9", REWARD],
+         "algo.gamma=0.9 has no effect with algo.name=grpo (it has no per-token returns); remove it"),
+        (["algo.name=ppo", "algo.kl_horizon=100", REWARD],
+         "algo.kl_horizon=100 has no effect with algo.name=ppo (it adapts the KL in the reward (kl_in_reward: true)); remove it"),
+        (["algo.name=ppo", "algo.kl_coef=0.1", "algo.kl_in_reward=true", "algo.kl_kind=k2", REWARD],
+         "algo.kl_kind=k2 has no effect with algo.name=ppo (the KL in the reward is k1); remove it"),
+        (["algo.name=grpo", "algo.max_refill_rounds=2", REWARD],
+         "algo.max_refill_rounds=2 has no effect with algo.name=grpo (dynamic_sampling is off); remove it"),
+        (["algo.name=grpo", "algo.overlong_penalty=0.5", REWARD],
+         "algo.overlong_penalty=0.5 has no effect with algo.name=grpo (overlong_buffer is 0); remove it"),
+        (["algo.name=grpo", "algo.importance_cap=3", REWARD],
+         "algo.importance_cap=3.0 has no effect with algo.name=grpo (importance_correction is none); remove it"),
+        (["algo.name=grpo", "algo.beta=0.5", REWARD],
+         "algo.beta=0.5 has no effect with algo.name=grpo (it does not learn from preference pairs); remove it"),
+        (["algo.name=simpo", "algo.dpo_kind=ipo"],
+         "algo.dpo_kind=ipo has no effect with algo.name=simpo (its loss has no such term); remove it"),
+        (["algo.name=reward_model", "algo.beta=0.5"],
+         "algo.beta=0.5 has no effect with algo.name=reward_model (its loss has no such term); remove it"),
+    ],
+)
+def test_a_key_the_algorithm_would_ignore_is_refused(overrides, expected):
+    assert problems(*overrides) == [expected]
+
+
+def test_keys_the_algorithm_reads_are_not_reported():
+    # each algorithm with the keys it reads set away from their defaults
+    assert problems("algo.name=ppo", "algo.lam=0.9", "algo.gamma=0.99", "algo.value_clip=0.1", "algo.critic_lr=1e-5",
+                    "algo.critic_warmup_steps=2", "model.critic_path=/m", "algo.kl_coef=0.1", "algo.kl_in_reward=true",
+                    "algo.kl_target=0.1", "algo.kl_horizon=100", REWARD) == []
+    assert problems("algo.name=grpo", "algo.adv_scale=none", "algo.adv_eps=1e-4", "algo.clip_high=0.3",
+                    "algo.dynamic_sampling=true", "algo.max_refill_rounds=2", "algo.overlong_buffer=2",
+                    "algo.overlong_penalty=0.5", "algo.importance_correction=token-truncate", "algo.importance_cap=3",
+                    "algo.kl_coef=0.1", "algo.kl_kind=k2", "algo.epochs=2", "algo.minibatches=2", REWARD) == []
+    assert problems("algo.name=dpo", "algo.beta=0.3", "algo.dpo_kind=robust", "algo.label_smoothing=0.1", "algo.epochs=2") == []
+    assert problems("algo.name=simpo", "algo.beta=1.0", "algo.simpo_gamma=0.5") == []
+    # the preset's own values are its defaults (GSPO's narrow clip, DAPO's dynamic sampling)
+    assert problems("algo.name=dapo", "algo.max_refill_rounds=2", REWARD) == []
+
+
+def test_every_algo_key_has_a_use_rule():
+    # a new key of the algo section must say which algorithms read it; every algorithm
+    # reads epochs and minibatches, and kl_in_reward and skip_zero_advantage have rules of their own
+    from rltune.algos.registry import _KEY_USE
+
+    assert set(AlgoConfig.model_fields) - set(_KEY_USE) == {
+        "name", "epochs", "minibatches", "kl_in_reward", "skip_zero_advantage"
+    }
 
 
 def test_grpo_and_sft_entries():
