@@ -7,8 +7,9 @@ claims to:
   ``checkpoint.overwrite: true`` an existing one is first moved aside, whole, to
   ``NAME.old-N`` (the first free N); nothing is deleted and the two runs never mix.
 - A resume (``auto``, or a checkpoint path) compares the config with the run's saved
-  ``config.yaml`` and refuses every difference outside :data:`FREE_KEYS`, naming each key
-  with its old and new value. A checkpoint path into a directory that holds another run
+  ``config.yaml``, and with the config the checkpoint to resume recorded when it was
+  saved (``meta["config"]``), and refuses every difference outside :data:`FREE_KEYS`,
+  naming each key with its old and new value. A checkpoint path into a directory that holds another run
   is refused too (its files would mix with the old run's).
 
 What may change on a resume is what does not change what the run learns or how its
@@ -23,6 +24,7 @@ another folder, or a config read from elsewhere, still resumes.
 
 from __future__ import annotations
 
+import json
 import os
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from rltune.checkpoint.store import META_FILE, latest_checkpoint
 from rltune.config import Config, ConfigError, load_config
 
 RUN_CONFIG = "config.yaml"
@@ -79,11 +82,32 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> str | None:
         return _fresh(cfg, run_dir)
     if resume == "auto":
         saved = run_dir / RUN_CONFIG
+        checkpoint = latest_checkpoint(checkpoints_of(run_dir)) if run_dir.is_dir() else None
     else:
-        saved = _owner_config(Path(resume), run_dir)
+        checkpoint = Path(resume)
+        saved = _owner_config(checkpoint, run_dir)
+    where = f"checkpoint.resume={resume}"
     if saved is not None and saved.is_file():
-        _check_same_meaning(cfg, saved, f"checkpoint.resume={resume}")
+        _check_same_meaning(cfg, saved, where)
+    if checkpoint is not None and (meta := peek_meta(checkpoint)) is not None:
+        # before the run writes its config.yaml: a refused resume leaves the run as it was
+        check_recorded_meaning(cfg, meta.get("config"), where, checkpoint)
     return None
+
+
+def peek_meta(checkpoint: Path) -> dict[str, Any] | None:
+    """The ``meta`` of ``checkpoint`` as written, unverified and without its tensors, or
+    None where it cannot be read (loading the checkpoint then says why)."""
+    try:
+        meta = json.loads((checkpoint / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def checkpoints_of(run_dir: Path) -> Path:
+    """Where the run in ``run_dir`` keeps its checkpoints."""
+    return run_dir / "checkpoints"
 
 
 def _fresh(cfg: Config, run_dir: Path) -> str | None:
@@ -129,6 +153,30 @@ def _check_same_meaning(cfg: Config, saved: Path, where: str) -> None:
         old = load_config(saved)
     except ConfigError as err:
         raise ConfigError(f"{where}: the run's saved config cannot be read to compare with: {err}") from None
+    check_same_meaning(cfg, old, where, f"the run's ({saved})")
+
+
+def check_recorded_meaning(cfg: Config, recorded: Any, where: str, checkpoint: Path) -> None:
+    """Compare ``cfg`` with the config a checkpoint recorded when it was saved (its
+    ``meta["config"]``), by the same rules as the run's ``config.yaml``: the checkpoint
+    carries what its run means, so editing or deleting ``config.yaml`` does not let a
+    resume change it. A checkpoint without a record (written before they were) is not
+    compared here."""
+    if recorded is None:
+        return
+    try:
+        old = Config.model_validate(recorded)
+    except ValueError as err:
+        raise ConfigError(
+            f"{where}: the config recorded in checkpoint {checkpoint} cannot be read to compare with "
+            f"({str(err).splitlines()[0]}); it was written by another version of rltune"
+        ) from None
+    check_same_meaning(cfg, old, where, f"the one recorded in checkpoint {checkpoint}")
+
+
+def check_same_meaning(cfg: Config, old: Config, where: str, whose: str) -> None:
+    """Raise :class:`ConfigError` naming every key outside :data:`FREE_KEYS` where ``cfg``
+    differs from ``old`` (``whose``: which config ``old`` is, for the message)."""
     changed = [
         f"{key}: {_show(a)} -> {_show(b)}"
         for key, a, b in differences(old, cfg)
@@ -136,7 +184,7 @@ def _check_same_meaning(cfg: Config, saved: Path, where: str) -> None:
     ]
     if changed:
         raise ConfigError(
-            f"{where}: this config differs from the run's ({saved}) in what the run means: "
+            f"{where}: this config differs from {whose} in what the run means: "
             f"{'; '.join(changed)}; resume with the run's values, or start a new run (another `name`)"
         )
 

@@ -31,6 +31,7 @@ from rltune.checkpoint.store import (
     save_checkpoint,
     set_aside,
 )
+from rltune.runtime.rundir import check_recorded_meaning, checkpoints_of
 
 if TYPE_CHECKING:
     from rltune.runtime.parts import Run
@@ -38,11 +39,6 @@ if TYPE_CHECKING:
 
 def checkpoint_root(run: "Run") -> Path:
     return checkpoints_of(run.run_dir)
-
-
-def checkpoints_of(run_dir: Path) -> Path:
-    """Where the run in ``run_dir`` keeps its checkpoints."""
-    return run_dir / "checkpoints"
 
 
 def save(run: "Run") -> Path:
@@ -64,7 +60,8 @@ def _save(run: "Run") -> Path:
     else:
         tensors, meta = roles.learner.checkpoint_state("")
     tensors["rng"] = rng_tensors
-    meta.update({"step": progress.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.data.sampler.state_dict()})
+    meta.update({"step": progress.step, "name": run.cfg.name, "rng": rng_meta, "sampler": run.data.sampler.state_dict(),
+                 "config": run.cfg.model_dump(mode="json")})  # what the run means, checked on resume
     if run.source.max_ahead:
         tensors["queue"], meta["queue"] = batches_to_state(run.source.queued(), run.data.train_prompts)
     if roles.critic is not None:
@@ -174,6 +171,7 @@ def restore(run: "Run") -> Restored:
             raise CheckpointError(f"checkpoint.resume={resume!r}: no such checkpoint directory")
         tensors, meta = load_checkpoint(path)
         skipped = ()
+    check_recorded_meaning(run.cfg, meta.get("config"), f"checkpoint.resume={resume}", path)
     _apply(run, tensors, meta, path)
     if resume != "auto":
         skipped = _set_aside_newer(checkpoint_root(run), path, run.step)

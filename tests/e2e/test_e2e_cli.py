@@ -209,6 +209,25 @@ def test_resume_with_another_seed(capsys, config_file, tmp_path):
     assert "train.seed: 0 -> 1;" in err and "train.steps" not in err  # a longer run is the same run
 
 
+def test_resume_without_the_runs_config_file_is_checked_against_the_checkpoint(capsys, config_file, tmp_path):
+    """The checkpoint records what its run means: deleting (or editing) the run's
+    config.yaml does not let a resume change it, neither with ``auto`` nor with a path."""
+    path = config_file()
+    _succeeds(capsys, ["train", str(path)])
+    run_dir = tmp_path / "runs" / "cli-run"
+    (run_dir / "config.yaml").unlink()
+    step = run_dir / "checkpoints" / "step-2"
+    err = fails(capsys, ["train", str(path), "checkpoint.resume=auto", "train.steps=3", "train.lr=0.5"])
+    assert (f"checkpoint.resume=auto: this config differs from the one recorded in checkpoint {step} "
+            "in what the run means: train.lr: ") in " ".join(err.split())
+    err = fails(capsys, ["train", str(path), f"checkpoint.resume={step}", "train.steps=3", "train.seed=1",
+                         "name=continued"])
+    assert "differs from the one recorded in checkpoint" in err and "train.seed: 0 -> 1" in err
+    # the same meaning resumes
+    _succeeds(capsys, ["train", str(path), "checkpoint.resume=auto", "train.steps=3"])
+    assert [m["step"] for m in _jsonl(run_dir / "metrics.jsonl")][-1] == 3
+
+
 # --------------------------------------------------------------------------- a good run
 
 

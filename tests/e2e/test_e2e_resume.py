@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import rltune.runtime.state as run_state
-from rltune.checkpoint.store import MARKER, CheckpointError
+from rltune.checkpoint.store import MARKER, CheckpointError, load_checkpoint, save_checkpoint
 from rltune.config import ConfigError
 from rltune.data.sampler import PromptSampler
 from rltune.models.load import load_model, resolve_model
@@ -215,10 +215,18 @@ def test_resume_with_another_seed_is_refused(runs, tmp_path, tiny_grpo_config_at
 
 
 def test_resume_of_a_bare_checkpoint_with_another_seed_is_refused(runs, tmp_path, tiny_grpo_config_at):
-    """Without the run's config.yaml to compare with, the checkpoint's own sampler state
-    refuses the other seed, naming the key."""
+    """Without the run's config.yaml to compare with, the config the checkpoint recorded
+    refuses the other seed before anything loads, naming the key; a checkpoint without
+    that record (rewritten here without it) is refused by its own sampler state."""
     shutil.copytree(runs.at_stop / "checkpoints", tmp_path / "bare")
-    cfg = tiny_grpo_config_at(tmp_path, *RESUME_CONFIG, "train.seed=1", f"checkpoint.resume={tmp_path / 'bare' / 'step-3'}")
+    step = tmp_path / "bare" / "step-3"
+    cfg = tiny_grpo_config_at(tmp_path, *RESUME_CONFIG, "train.seed=1", f"checkpoint.resume={step}")
+    with pytest.raises(ConfigError, match=rf"differs from the one recorded in checkpoint {step} .*train\.seed: 0 -> 1"):
+        build_run(cfg)
+    tensors, meta = load_checkpoint(step)
+    del meta["config"]
+    unrecorded = save_checkpoint(tmp_path / "unrecorded", 3, tensors=tensors, meta=meta, keep=1)
+    cfg = tiny_grpo_config_at(tmp_path, *RESUME_CONFIG, "train.seed=1", f"checkpoint.resume={unrecorded}", "name=u")
     run = build_run(cfg)
     with pytest.raises(CheckpointError, match=r"step-3: sampler state was saved with seed=0 but this run has seed=1 \(train\.seed\)"):
         train(run)

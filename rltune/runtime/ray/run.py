@@ -32,7 +32,7 @@ from rltune.runtime.ray.cluster import (
 from rltune.runtime.ray.learner import LearnerDied
 from rltune.runtime.ray.roles import RayRoles, model_roles
 from rltune.runtime.roles import learner_model
-from rltune.runtime.state import checkpoints_of
+from rltune.runtime.rundir import checkpoints_of
 
 
 def run_ray(cfg: Config, *, config_dir: Path | None = None) -> Run:
