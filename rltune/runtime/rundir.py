@@ -76,8 +76,7 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> str | None:
             a directory that holds a run.
     """
     resume = cfg.checkpoint.resume
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run directory {run_dir} exists and is not a directory; choose another `name` or `log.dir`")
+    _check_is_directory(run_dir)
     if resume == "never":
         return _fresh(cfg, run_dir)
     if resume == "auto":
@@ -85,6 +84,8 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> str | None:
         checkpoint = latest_checkpoint(checkpoints_of(run_dir)) if run_dir.is_dir() else None
     else:
         checkpoint = Path(resume)
+        if not checkpoint.is_dir():
+            raise ConfigError(f"checkpoint.resume={resume}: no such checkpoint directory")
         saved = _owner_config(checkpoint, run_dir)
     where = f"checkpoint.resume={resume}"
     if saved is not None and saved.is_file():
@@ -92,7 +93,37 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> str | None:
     if checkpoint is not None and (meta := peek_meta(checkpoint)) is not None:
         # before the run writes its config.yaml: a refused resume leaves the run as it was
         check_recorded_meaning(cfg, meta.get("config"), where, checkpoint)
+    if resume == "auto" and checkpoint is None and _records_steps(run_dir):
+        return _start_over(run_dir)
     return None
+
+
+def _check_is_directory(run_dir: Path) -> None:
+    """``run_dir`` and the nearest of its parents that exists are directories."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} exists and is not a directory; choose another `name` or `log.dir`")
+    parent = run_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"log.dir: {parent} is a file, not a directory, so the run directory {run_dir} "
+                          "cannot be made there; choose another `log.dir`")
+
+
+def _records_steps(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds metrics or samples of steps already run."""
+    return any((run_dir / name).is_file() and (run_dir / name).stat().st_size > 0
+               for name in ("metrics.jsonl", "samples.jsonl"))
+
+
+def _start_over(run_dir: Path) -> str:
+    """``resume=auto`` on a run that recorded steps but left no complete checkpoint (it
+    stopped before its first): it starts from step 0, and what the earlier attempt wrote
+    is moved aside, whole, rather than written over."""
+    aside = _aside_name(run_dir)
+    os.rename(run_dir, aside)
+    return (f"checkpoint.resume=auto: {run_dir} holds no complete checkpoint to continue from; "
+            f"moved what its earlier attempt wrote aside to {aside}; starting from step 0")
 
 
 def peek_meta(checkpoint: Path) -> dict[str, Any] | None:

@@ -60,10 +60,14 @@ def place_run(cfg: Config, *, name: str) -> Placement:
 
 def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, run_dir: Path) -> Run:
     restarts_left = cfg.runtime.learner_restarts
+    fault: tuple[Exception, Path | None] | None = None
     while True:
         roles = RayRoles(placement, config_dir, run_dir)
         try:
             run = build_run(cfg, roles, config_dir=config_dir)
+            if fault is not None:  # recorded in the directory that continues the run
+                _record_fault(run_dir, *fault, restarts_left)
+                fault = None
             train(run)
             if cfg.checkpoint.final:
                 _export_final(cfg, run)
@@ -73,10 +77,12 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
             if restarts_left <= 0:
                 raise RayRuntimeError(f"{err}; runtime.learner_restarts is used up") from None
             restarts_left -= 1
-            _record_fault(run_dir, err, newest, restarts_left)
+            print(f"rltune: {err}; resuming from {newest or 'the start'} ({restarts_left} learner restarts left)",
+                  flush=True)
+            fault = (err, newest)
             # a run that started fresh resumes from its own newest checkpoint, or starts over
-            # in its own directory (``auto`` finding no checkpoint; ``never`` would refuse the
-            # directory this attempt wrote, and ``overwrite`` would move it aside)
+            # (``auto`` finding no checkpoint moves this attempt's files aside; ``never``
+            # would refuse the directory this attempt wrote)
             cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(
                 update={"resume": str(newest) if newest is not None else "auto", "overwrite": False})})
         finally:
@@ -84,7 +90,6 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
 
 
 def _record_fault(run_dir: Path, err: Exception, newest: Path | None, restarts_left: int) -> None:
-    print(f"rltune: {err}; resuming from {newest or 'the start'} ({restarts_left} learner restarts left)", flush=True)
     record_fault(run_dir / "faults.jsonl", role="learner", event="resumed", error=str(err),
                  checkpoint=str(newest) if newest is not None else None, restarts_left=restarts_left)
 

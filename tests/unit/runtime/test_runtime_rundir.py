@@ -73,9 +73,43 @@ def test_a_new_run_needs_an_empty_directory(tmp_path):
 def test_a_checkpoint_of_another_run_is_not_resumed_into_a_run(tmp_path):
     run_dir = _saved(tmp_path)
     other = tmp_path / "runs" / "other" / "checkpoints" / "step-2"
+    other.mkdir(parents=True)
     cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", f"checkpoint.resume={other}"])
     with pytest.raises(ConfigError, match=f"the run directory {run_dir} holds another run"):
         prepare_run_dir(cfg, run_dir)
     own = run_dir / "checkpoints" / "step-2"
+    own.mkdir(parents=True)
     cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", f"checkpoint.resume={own}"])
     assert prepare_run_dir(cfg, run_dir) is None
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_named_as_such(tmp_path):
+    run_dir = _saved(tmp_path)
+    missing = tmp_path / "nowhere" / "step-2"
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", f"checkpoint.resume={missing}"])
+    with pytest.raises(ConfigError, match=f"checkpoint.resume={missing}: no such checkpoint directory"):
+        prepare_run_dir(cfg, run_dir)
+
+
+def test_a_log_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'afile' / 'runs'}"])
+    with pytest.raises(ConfigError, match=f"log.dir: {tmp_path / 'afile'} is a file, not a directory"):
+        prepare_run_dir(cfg, tmp_path / "afile" / "runs" / "r")
+
+
+def test_resume_auto_without_a_checkpoint_moves_recorded_steps_aside(tmp_path):
+    """A run that stopped before its first checkpoint starts again from step 0; what it
+    recorded is moved aside whole, never written over. A directory with only its
+    config (stopped before a step) is started in place."""
+    run_dir = _saved(tmp_path)
+    cfg = load_config(None, [*BASE, f"log.dir={tmp_path / 'runs'}", "checkpoint.resume=auto"])
+    assert prepare_run_dir(cfg, run_dir) is None and (run_dir / "config.yaml").is_file()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "checkpoints" / "step-1").mkdir(parents=True)  # an unfinished save: no marker
+    line = prepare_run_dir(cfg, run_dir)
+    aside = tmp_path / "runs" / "r.old-1"
+    assert line == (f"checkpoint.resume=auto: {run_dir} holds no complete checkpoint to continue from; "
+                    f"moved what its earlier attempt wrote aside to {aside}; starting from step 0")
+    assert not run_dir.exists() and (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (aside / "checkpoints" / "step-1").is_dir()
