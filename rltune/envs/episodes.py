@@ -37,6 +37,7 @@ import torch
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.envs.base import Environment, StepResult
 from rltune.envs.tool_format import CALL_CLOSE, TurnGlue
+from rltune.rewards.calls import expected_reward, finite_reward
 
 _MAX_SHOWN = 120
 
@@ -128,6 +129,9 @@ class EpisodeGenerator:
         except Exception as exc:  # an environment bug: this episode is not scored
             episode.done, episode.error = True, _describe("reset", exc)
             return episode
+        if first is not None and not isinstance(first, str):  # refused like a raise
+            episode.done, episode.error = True, _returned("reset", "", first, "a str or None")
+            return episode
         if first is not None:
             episode.prompt_ids = self.encode(Prompt(id=prompt.id, text=first, meta=prompt.meta))
             episode.own_prompt = False
@@ -171,7 +175,17 @@ class EpisodeGenerator:
             episode.done = True
             episode.error = f"env: step returned {type(result).__name__}, not StepResult"
             return
-        episode.reward += float(result.reward)
+        # a value of the wrong type is an environment bug too (the rule of reward functions,
+        # rltune.rewards.calls.checked: a finite number; a str is not converted)
+        reward, observation = result.reward, result.observation
+        value = finite_reward(reward)
+        if value is None:
+            episode.done, episode.error = True, _returned("step", "reward ", reward, expected_reward(reward))
+            return
+        if observation is not None and not isinstance(observation, str):
+            episode.done, episode.error = True, _returned("step", "observation ", observation, "a str or None")
+            return
+        episode.reward += value
         if result.done and result.observation is not None:
             # the environment answers for the episode (an answer tool): its text is what
             # reward functions score; it ends the episode, so it takes no tokens
@@ -194,6 +208,8 @@ class EpisodeGenerator:
         episode.turns.append({"role": "tool", "content": observation, "tokens": len(ids), "trained": False})
 
     def _rollout(self, e: _Episode) -> Rollout:
+        if e.error is None and finite_reward(e.reward) is None:  # finite steps, overflowing sum
+            e.error = f"env: step rewards add up to {e.reward:.3g} (expected {expected_reward(e.reward)})"
         return Rollout(
             prompt_id=e.prompt.id,
             group=e.group,
@@ -217,3 +233,18 @@ def _describe(where: str, exc: Exception) -> str:
     if len(message) > _MAX_SHOWN:
         message = message[: _MAX_SHOWN - 3] + "..."
     return f"env: {where} raised {type(exc).__name__}: {message}"
+
+
+def _returned(where: str, what: str, value: Any, expected: str) -> str:
+    """The error of a ``reset``/``step`` that returned ``value`` (its ``what`` part) of the
+    wrong kind, worded as :func:`rltune.rewards.calls.checked` words a reward's."""
+    if value is None:
+        return f"env: {where} returned {what}None (expected {expected})"
+    try:
+        shown = repr(value)
+    except Exception:  # a repr that fails (an int past Python's digit limit, a broken class)
+        shown = "(no repr)"
+    if len(shown) > _MAX_SHOWN:
+        shown = shown[: _MAX_SHOWN - 3] + "..."
+    return f"env: {where} returned {what}{type(value).__name__} {shown} (expected {expected})"
+

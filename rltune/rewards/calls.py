@@ -17,6 +17,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from rltune.data.records import Prompt
 from rltune.rewards.contract import SampleDropped, is_batched
 
 _MAX_SHOWN = 80  # characters of a bad return value or exception message kept in errors
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -194,12 +196,14 @@ async def _call_async_batch(rf: RewardFn, prompts: list[Prompt], texts: list[str
 def _batch_outcomes(rf: RewardFn, values: Any, n: int, seconds: float) -> list[Outcome]:
     """A batched function's result, checked: one entry per completion. Its time is
     shared out evenly, so per-function seconds add up to the call's."""
+    kind = type(values).__name__
+    unordered = isinstance(values, (Mapping, str, bytes, AbstractSet))  # list() of these is not the scores
     try:
-        values = list(values)
+        values = None if unordered else list(values)
     except TypeError:
         values = None
     if values is None or len(values) != n:
-        got = "a non-sequence" if values is None else f"{len(values)} values"
+        got = f"a {kind}, not a sequence," if values is None else f"{len(values)} values"
         error = Outcome(None, f"{rf.name}: returned {got} for {n} completions", seconds / max(n, 1))
         return [error] * n
     each = seconds / n
@@ -219,14 +223,44 @@ def checked(rf: RewardFn, value: Any, seconds: float) -> Outcome:
     """A returned value as an outcome: a finite number is a score, anything else an error."""
     if value is None:
         return Outcome(None, f"{rf.name}: returned None", seconds)
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    score = finite_reward(value)
+    if score is None:
         return Outcome(
             None,
-            f"{rf.name}: returned {type(value).__name__} {_shorten(repr(value))} "
-            "(expected a finite number)",
+            f"{rf.name}: returned {type(value).__name__} {_shown(value)} (expected {expected_reward(value)})",
             seconds,
         )
-    return Outcome(float(value), None, seconds)
+    return Outcome(score, None, seconds)
+
+
+def finite_reward(value: Any) -> float | None:
+    """``value`` as a float when it is a reward: a real number (a bool counts; a str, a
+    tensor or a list does not) that is finite in float32, the precision training reads
+    rewards in; else None."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, TypeError, ValueError):  # an int too large for a float
+        return None
+    return number if math.isfinite(number) and abs(number) <= _FLOAT32_MAX else None
+
+
+def expected_reward(value: Any) -> str:
+    """What a reward must be, for the error about ``value`` (which is not one): the range
+    is named when ``value`` is a number past it."""
+    try:
+        beyond = isinstance(value, numbers.Real) and math.isfinite(float(value))
+    except OverflowError:  # an int too large for a float
+        beyond = True
+    return "a finite number" + (" within float32's range, where training reads rewards: |r| <= 3.4e38" if beyond else "")
+
+
+def _shown(value: Any) -> str:
+    try:
+        return _shorten(repr(value))
+    except Exception:  # a repr that fails (an int past Python's digit limit, a broken class)
+        return "(no repr)"
 
 
 def _shorten(text: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,81 @@ def test_the_plain_format_without_a_chat_template() -> None:
     glue = turn_glue(TOK, use_chat_template=False)
     assert glue.observation_text("7", ended_turn=True) == "\ntool: 7\nassistant: "
     assert glue.observation_text("7", ended_turn=False) == "<|im_end|>\ntool: 7\nassistant: "
+
+
+# -- return values of the wrong kind: the episode fails like a raise, the run goes on --------
+
+
+def _bad_env(reset_value=None, **step_fields):
+    """An environment that misbehaves on prompt "bad" only: its ``reset`` returns
+    ``reset_value`` and its ``step`` a StepResult with ``step_fields``; on any other
+    prompt it keeps the prompt and ends the episode with reward 1.0."""
+
+    class Env:
+        def reset(self, prompt):
+            self.bad = prompt.id == "bad"
+            return reset_value if self.bad else None
+
+        def step(self, action):
+            return StepResult(**step_fields) if self.bad else StepResult(reward=1.0, done=True)
+
+    return Env
+
+
+@pytest.mark.parametrize(
+    ("make_env", "error"),
+    [
+        (_bad_env(reward=None), "env: step returned reward None (expected a finite number)"),
+        (_bad_env(reward=float("nan")), "env: step returned reward float nan (expected a finite number)"),
+        (_bad_env(reward="1"), "env: step returned reward str '1' (expected a finite number)"),
+        (_bad_env(observation=42), "env: step returned observation int 42 (expected a str or None)"),
+        (_bad_env(observation=42, done=True), "env: step returned observation int 42 (expected a str or None)"),
+        (_bad_env(reset_value=42), "env: reset returned int 42 (expected a str or None)"),
+    ],
+    ids=["reward-none", "reward-nan", "reward-str", "observation-int", "answer-int", "reset-int"],
+)
+def test_a_return_value_of_the_wrong_kind_fails_only_its_episode(make_env, error) -> None:
+    from rltune.rewards.results import fill
+    from rltune.runtime.experience import episode_metrics
+
+    runner, gen = _runner({"good": ["go"], "bad": ["go"]}, make_env)
+    good, bad = runner.generate([_prompt("good", "G"), _prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    for r in (good, bad):
+        fill(r, [], [])  # scored with the env reward alone
+    assert bad.env_error == error and bad.env_reward is None
+    assert bad.reward is None and bad.reward_error == error and bad.rewards == {"env": None}
+    assert episode_metrics([good, bad])["env/errors"] == 1.0
+    # the turn the model took before the bad step is kept (none when reset failed)
+    played = [] if "reset" in error else [("assistant", "go")]
+    assert [(t["role"], t["content"]) for t in bad.turns] == played
+    assert bad.text == ("" if "reset" in error else "go")
+    assert len(bad.completion_ids) == (0 if "reset" in error else 3)  # "g", "o", EOS
+    # the other episode of the batch is scored as if nothing happened
+    assert good.env_error is None and good.env_reward == 1.0 and good.reward == 1.0
+    assert good.reward_error is None and good.finish_reason == "stop"
+    assert len(gen.contexts) == (1 if "reset" in error else 2)  # no turn for a failed reset
+
+
+def test_rewards_are_finite_real_numbers_as_for_reward_functions() -> None:
+    # a bool and a numpy number are real numbers (as rltune.rewards.calls.checked has it)
+    runner, _ = _runner({"bad": ["go", "go"]}, _bad_env(reward=True), max_turns=2)
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_error is None and r.env_reward == 2.0 and type(r.env_reward) is float
+    runner, _ = _runner({"bad": ["go"]}, _bad_env(reward=np.float32(0.5), done=True))
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_error is None and r.env_reward == 0.5
+    # an int too large for a float is not finite; nor is a sum of finite rewards that overflows
+    runner, _ = _runner({"bad": ["go"]}, _bad_env(reward=10**400))
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_reward is None and r.env_error.startswith("env: step returned reward int 1000")
+    assert r.env_error.endswith(f"... (expected a finite number within {F32})") and len(r.env_error) < 250
+    runner, _ = _runner({"bad": ["go", "go"]}, _bad_env(reward=3e38), max_turns=2)
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_reward is None and r.env_error == f"env: step rewards add up to 6e+38 (expected a finite number within {F32})"
+    # one step's reward past float32's range, where training reads it
+    runner, _ = _runner({"bad": ["go"]}, _bad_env(reward=1e300))
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_reward is None and r.env_error == f"env: step returned reward float 1e+300 (expected a finite number within {F32})"
+
+
+F32 = "float32's range, where training reads rewards: |r| <= 3.4e38"

@@ -184,6 +184,11 @@ def test_data_error_from_builtin_is_reported_not_scored_zero() -> None:
         (float("inf"), "returned float inf"),
         (-float("inf"), "returned float -inf"),
         (torch.tensor(1.0), "returned Tensor tensor(1.)"),
+        # finite in float64, inf in float32, where training reads rewards
+        (1e300, "returned float 1e+300 (expected a finite number within float32's range, where training reads "
+                "rewards: |r| <= 3.4e38)"),
+        (-(10**40), "returned int -10000000000000000000000000000000000000000 (expected a finite number within "
+                    "float32's range, where training reads rewards: |r| <= 3.4e38)"),
     ],
 )
 def test_non_numeric_returns_are_errors(value: object, fragment: str) -> None:
@@ -191,7 +196,7 @@ def test_non_numeric_returns_are_errors(value: object, fragment: str) -> None:
     stats = LocalScorer([RewardFn("odd", lambda p, c, **m: value)]).score(PROMPTS, [rollout])
     assert rollout.reward is None
     assert rollout.rewards == {"odd": None}
-    assert rollout.reward_error == f"odd: {fragment} (expected a finite number)"
+    assert rollout.reward_error == (f"odd: {fragment}" if "expected" in fragment else f"odd: {fragment} (expected a finite number)")
     assert stats.errors.value == 1
 
 

@@ -207,7 +207,12 @@ def test_a_batched_reward_that_raises_or_miscounts_fails_every_sample_it_covered
     def short(prompts, completions):
         return [1.0]
 
-    for fn, message in [(raises, "b: ConnectionError: no route"), (short, "b: returned 1 values for 2 completions")]:
+    @batched
+    def by_key(prompts, completions):  # list() of a dict is its keys, not its scores
+        return {i: 0.5 for i in range(len(completions))}
+
+    for fn, message in [(raises, "b: ConnectionError: no route"), (short, "b: returned 1 values for 2 completions"),
+                        (by_key, "b: returned a dict, not a sequence, for 2 completions")]:
         rollouts = [_rollout("a", "x"), _rollout("b", "y")]
         with LocalScorer([RewardFn("b", fn)]) as scorer:
             stats = scorer.score(PROMPTS, rollouts)
