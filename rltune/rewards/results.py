@@ -23,7 +23,7 @@ from typing import Any
 from rltune.data.records import Rollout
 from rltune.metrics import keys
 from rltune.metrics.types import Mean, Metric, Sum, reduce
-from rltune.rewards.calls import Outcome, RewardFn
+from rltune.rewards.calls import Outcome, RewardFn, expected_reward, finite_reward
 
 
 def fill(rollout: Rollout, reward_fns: Sequence[RewardFn], outcomes: Sequence[Outcome]) -> None:
@@ -41,11 +41,13 @@ def fill(rollout: Rollout, reward_fns: Sequence[RewardFn], outcomes: Sequence[Ou
         errors.append("no reward function is configured and the sample is not an episode")
     rollout.dropped = bool(drops) and not errors
     rollout.reward_error = errors[0] if errors else (drops[0] if drops else None)
-    if errors or drops:
-        rollout.reward = None
-    else:
+    total = None
+    if not (errors or drops):
         total = sum(rf.weight * o.value for rf, o in zip(reward_fns, outcomes))
-        rollout.reward = total + (rollout.env_reward or 0.0 if episode else 0.0)
+        total += rollout.env_reward or 0.0 if episode else 0.0
+        if finite_reward(total) is None:  # each part in range, their weighted sum not
+            rollout.reward_error, total = f"the weighted sum {total:.3g} is not {expected_reward(total)}", None
+    rollout.reward = total
 
 
 @dataclass(frozen=True)

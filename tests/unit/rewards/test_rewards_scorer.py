@@ -200,6 +200,17 @@ def test_non_numeric_returns_are_errors(value: object, fragment: str) -> None:
     assert stats.errors.value == 1
 
 
+def test_a_weighted_sum_past_float32s_range_is_an_error() -> None:
+    # each value is in range; 3e38 + 2 * 3e38 is not (training reads rewards in float32)
+    fns = [RewardFn("a", lambda p, c, **m: 3e38), RewardFn("b", lambda p, c, **m: 3e38, 2.0)]
+    rollout = _rollout("a", "x")
+    stats = LocalScorer(fns).score(PROMPTS, [rollout])
+    assert rollout.reward is None and rollout.rewards == {"a": 3e38, "b": 3e38}
+    assert rollout.reward_error == ("the weighted sum 9e+38 is not a finite number within float32's range, "
+                                    "where training reads rewards: |r| <= 3.4e38")
+    assert stats.errors.value == 1
+
+
 def test_long_error_messages_are_shortened() -> None:
     def chatty(prompt: Prompt, completion: str, **meta: object) -> float:
         raise ValueError("x" * 500)
