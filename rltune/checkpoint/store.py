@@ -165,7 +165,12 @@ def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
         for name in files
         if name.endswith(TENSOR_SUFFIX) and "/" not in name  # a directory's files are its writer's to read
     }
-    meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    try:
+        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+    except ValueError as err:  # its checksum matched: written so, or edited with the marker
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} holds a {type(meta).__name__}, not an object")
     return tensors, meta
 
 
@@ -432,7 +437,7 @@ def _read_marker(path: Path) -> dict[str, str]:
         raise CheckpointError(_not_a_checkpoint(path))
     try:
         record = json.loads(marker.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8
         raise CheckpointError(f"checkpoint {path}: {MARKER} is not valid JSON ({err})") from err
     if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION or not isinstance(record.get("files"), dict):
         raise CheckpointError(
@@ -464,10 +469,7 @@ def _not_a_checkpoint(path: Path) -> str:
         return f"checkpoint {path} has no {MARKER} marker: the save that wrote it did not finish{instead}"
     for root, what in ((path / "checkpoints", "a run directory"), (path, "a directory of checkpoints")):
         if root.is_dir() and (newest := latest_checkpoint(root)) is not None:
-            return (
-                f"checkpoint {path} is {what}, not one checkpoint; give a step directory, e.g. its newest "
-                f"checkpoint.resume={newest} (or continue that run with checkpoint.resume=auto and its name)"
-            )
+            return f"checkpoint {path} is {what}, not one checkpoint; give one of its step directories, e.g. the newest, {newest}"
     return f"checkpoint {path} is not a checkpoint: it has no {MARKER} marker (a step-N directory of a run's checkpoints)"
 
 

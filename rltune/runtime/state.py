@@ -172,7 +172,13 @@ def restore(run: "Run") -> Restored:
         tensors, meta = load_checkpoint(path)
         skipped = ()
     check_recorded_meaning(run.cfg, meta.get("config"), f"checkpoint.resume={resume}", path)
-    _apply(run, tensors, meta, path)
+    try:
+        _apply(run, tensors, meta, path)
+    except KeyError as err:  # the files verified, so they were written without it (or edited with their marker)
+        raise CheckpointError(
+            f"checkpoint {path} has no {err.args[0]!r} in its state; it was not written by a run of this "
+            "config and version of rltune, or was edited"
+        ) from None
     if resume != "auto":
         skipped = _set_aside_newer(checkpoint_root(run), path, run.step)
     return Restored(path, run.step, skipped)

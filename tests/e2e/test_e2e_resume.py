@@ -14,6 +14,7 @@ unrestored gives a different run, and a resume with another seed is refused.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -229,6 +230,20 @@ def test_resume_of_a_bare_checkpoint_with_another_seed_is_refused(runs, tmp_path
     cfg = tiny_grpo_config_at(tmp_path, *RESUME_CONFIG, "train.seed=1", f"checkpoint.resume={unrecorded}", "name=u")
     run = build_run(cfg)
     with pytest.raises(CheckpointError, match=r"step-3: sampler state was saved with seed=0 but this run has seed=1 \(train\.seed\)"):
+        train(run)
+
+
+def test_a_checkpoint_whose_state_lacks_a_key_is_named(runs, tmp_path, tiny_grpo_config_at):
+    """A state.json edited together with its checksum verifies but lacks what the run
+    restores: one CheckpointError naming the checkpoint and the key, not a KeyError."""
+    shutil.copytree(runs.at_stop / "checkpoints", tmp_path / "edited")
+    step = tmp_path / "edited" / "step-3"
+    (step / "state.json").write_text("{}")
+    marker = json.loads((step / MARKER).read_text())
+    marker["files"]["state.json"] = hashlib.sha256(b"{}").hexdigest()
+    (step / MARKER).write_text(json.dumps(marker))
+    run = build_run(tiny_grpo_config_at(tmp_path, *RESUME_CONFIG, f"checkpoint.resume={step}"))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {step} has no '\w+' in its state; it was not written by"):
         train(run)
 
 

@@ -279,10 +279,36 @@ def test_a_run_or_checkpoints_directory_given_as_a_checkpoint_names_the_step_to_
     _save(run / "checkpoints", 2)
     _save(run / "checkpoints", 5)
     newest = run / "checkpoints" / "step-5"
-    with pytest.raises(CheckpointError, match=rf"{run} is a run directory, not one checkpoint; .*resume={newest} "):
+    with pytest.raises(CheckpointError, match=rf"{run} is a run directory, not one checkpoint; give one of its step "
+                                              rf"directories, e.g. the newest, {newest}$"):
         load_checkpoint(run)
-    with pytest.raises(CheckpointError, match=rf"is a directory of checkpoints, not one checkpoint; .*resume={newest} "):
+    with pytest.raises(CheckpointError, match=rf"is a directory of checkpoints, not one checkpoint; .* {newest}$"):
         load_checkpoint(run / "checkpoints")
     (tmp_path / "other").mkdir()
     with pytest.raises(CheckpointError, match=r"other is not a checkpoint: it has no COMPLETE marker"):
         load_checkpoint(tmp_path / "other")
+
+
+def test_a_marker_that_is_not_utf8_is_corrupt_and_skipped_for_an_older_one(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    (tmp_path / "step-2" / "COMPLETE").write_bytes(b"\xff\xfe{")
+    with pytest.raises(CheckpointError, match=r"step-2: COMPLETE is not valid JSON"):
+        load_checkpoint(tmp_path / "step-2")
+    loaded = store.load_newest(tmp_path)
+    assert loaded.path == tmp_path / "step-1" and [s.moved_to.name for s in loaded.skipped] == [".skipped-step-2-corrupt"]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{broken", r"state.json is not valid JSON"),
+    ("[1, 2]", r"state.json holds a list, not an object"),
+])
+def test_a_state_file_edited_with_its_marker_is_named(tmp_path, text, message):
+    # the checksum recomputed by hand: the files verify, their content does not load
+    path = _save(tmp_path, 1)
+    (path / "state.json").write_text(text)
+    marker = json.loads((path / "COMPLETE").read_text())
+    marker["files"]["state.json"] = hashlib.sha256(text.encode()).hexdigest()
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path}: {message}"):
+        load_checkpoint(path)
