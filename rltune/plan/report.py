@@ -5,6 +5,7 @@ same as one JSON object (``--json``). No torch."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,9 @@ def write_config(base_cfg_path: str | Path, plan: Plan, out_path: str | Path, cl
     from rltune.config import ConfigError, load_config
 
     base_path, out = Path(base_cfg_path), Path(out_path)
+    if out.resolve() == base_path.resolve():
+        raise PlanError(f"--write {out} is the input config: writing it would replace the file (its comments "
+                        "and layout lost); write the plan to another file beside it")
     try:
         base_cfg = load_config(base_path)
         data = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
@@ -272,13 +276,20 @@ def write_config(base_cfg_path: str | Path, plan: Plan, out_path: str | Path, cl
     merged = merge(data, sections)
     if "parallel" not in sections["train"] and isinstance(merged.get("train"), dict):
         merged["train"].pop("parallel", None)  # a DDP learner: the input's layout would shard it
+    # written beside ``out`` and checked there (its relative paths resolve from that
+    # directory), then renamed over it: a refused plan leaves a file already at ``out`` as it was
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        out.write_text(yaml.safe_dump(merged, sort_keys=False, allow_unicode=True), encoding="utf-8")
-        load_config(out)
+        tmp.write_text(yaml.safe_dump(merged, sort_keys=False, allow_unicode=True), encoding="utf-8")
+        load_config(tmp)
+        os.replace(tmp, out)
     except OSError as err:
         raise PlanError(f"--write: cannot write {out}: {err.strerror}") from None
     except ConfigError as err:
-        raise PlanError(f"--write: the planned config {out} is refused by rltune: {err}") from None
+        raise PlanError(f"--write: the planned config for {out} is refused by rltune (nothing written): "
+                        f"{str(err).replace(str(tmp), str(out))}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import yaml
 import pytest
 
+from rltune.plan.errors import PlanError
+
 from rltune.config import load_config
 from rltune.plan.report import (config_sections, differences, format_table, layout_text, reasons, rejections_text,
                                 to_json, write_config)
@@ -134,6 +136,30 @@ def test_written_config_merges_and_loads(tmp_path):
     assert cfg.train.lr == 3e-4 and cfg.train.parallel.tp == 2 and cfg.train.parallel.dp_shard == 4
     assert cfg.runtime.placement.generators == 2 and cfg.rollout.vllm.tensor_parallel_size == 2
     assert cfg.algo.importance_correction == "token-truncate" and cfg.runtime.max_staleness == 1
+
+
+def test_the_input_config_is_never_written_over(tmp_path):
+    base = tmp_path / "in.yaml"
+    text = "# my notes\nname: x\nmodel: {path: 'builtin:tiny'}\n"
+    base.write_text(text)
+    with pytest.raises(PlanError, match=r"--write .*in.yaml is the input config: writing it would replace the file"):
+        write_config(base, BEST, tmp_path / "." / "in.yaml", Cluster(gpus=12))
+    assert base.read_text() == text
+
+
+def test_a_refused_plan_leaves_an_existing_output_as_it_was(tmp_path, monkeypatch):
+    import rltune.plan.report as report
+
+    base = tmp_path / "in.yaml"
+    base.write_text(yaml.safe_dump({"name": "x", "model": {"path": "builtin:tiny"}, "train": {"lr": 3e-4}}))
+    out = tmp_path / "out.yaml"
+    out.write_text("an earlier plan\n")
+    # sections rltune's loader refuses once merged (a stand-in for a planner bug)
+    monkeypatch.setattr(report, "config_sections", lambda plan, cluster, cfg: {"train": {"steps": -1}})
+    with pytest.raises(PlanError, match=rf"the planned config for {out} is refused by rltune \(nothing written\): "
+                                        rf"invalid config {out}:"):
+        write_config(base, BEST, out, Cluster(gpus=12))
+    assert out.read_text() == "an earlier plan\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.yaml", "out.yaml"]
 
 
 def test_json():
