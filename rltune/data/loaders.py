@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jinja2 import TemplateError
 
 from rltune.data.chat import encode_completion, encode_prompt, encode_vl_prompt, with_system_prompt
 from rltune.data.images import ImageError, decode_image, read_image, split_parts
@@ -133,6 +134,12 @@ def load_prompts(
     for a text model); ``model`` names the model in the error for images without one."""
     if with_completion and with_pairs:
         raise ValueError("load_prompts: with_completion and with_pairs exclude each other")
+    if (with_completion or with_pairs) and getattr(tokenizer, "eos_token_id", None) is None:
+        raise DataError(
+            f"{source}: the model's tokenizer has no eos_token, and "
+            f"{'SFT targets' if with_completion else 'preference responses'} end with EOS so the model learns "
+            "where a response stops; set `eos_token` in the model's tokenizer_config.json"
+        )
     name, rows = open_source(source)
     render = _Render(cfg, tokenizer, processor, model, image_dir(source), source)
     prompts: list[Prompt] = []
@@ -196,7 +203,13 @@ def _row_to_prompt(
     prompt = Prompt(
         id=_prompt_id(row, raw.number, name, cfg.id_field), messages=messages, text=text, meta=meta
     )
-    ids = _encode(render, prompt, refs, raw.number)
+    try:
+        ids = _encode(render, prompt, refs, raw.number)
+    except TemplateError as err:  # the template's own raise_exception, or a template that does not parse
+        raise _BadRow(
+            f"the model's chat template fails on this prompt ({type(err).__name__}: {err})",
+            "check the prompt's roles and data.system_prompt against the template, or its chat_template file",
+        ) from None
     if len(ids) > cfg.max_prompt_tokens:
         raise _BadRow(
             f"the prompt is {len(ids)} tokens, more than data.max_prompt_tokens="

@@ -77,9 +77,13 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line.decode("utf-8"))
+                # without its line ending, a row cut short is reported at its end, not at "line 2"
+                obj = json.loads(line.rstrip(b"\r\n").decode("utf-8"), object_pairs_hook=_without_duplicates)
             except UnicodeDecodeError as err:
                 yield RawRow(number, None, f"not valid UTF-8 ({err.reason} at byte {err.start})")
+                continue
+            except _DuplicateKey as err:
+                yield RawRow(number, None, f"the key {err.args[0]!r} appears twice in one object; keep one")
                 continue
             except json.JSONDecodeError as err:
                 # some of json's messages end in "at" (`Unterminated string starting at`)
@@ -90,6 +94,22 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
                 yield RawRow(number, None, f"expected a JSON object, got {type(obj).__name__}")
                 continue
             yield RawRow(number, obj)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (json keeps the last silently)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return obj
 
 
 def _read_parquet(path: Path) -> list[RawRow]:
@@ -110,6 +130,11 @@ def _read_datasets_dir(path: Path) -> list[RawRow]:
         raise DataError(
             f"data source {str(path)!r} is a directory but not one written by "
             f"datasets' save_to_disk: {err}"
+        ) from err
+    except Exception as err:  # a damaged file inside it: arrow's, json's, datasets' own errors
+        raise DataError(
+            f"data source {str(path)!r}: datasets cannot read this save_to_disk directory, a file in it "
+            f"is damaged ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); write it again"
         ) from err
     if isinstance(loaded, datasets.DatasetDict):
         raise DataError(

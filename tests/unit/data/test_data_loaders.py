@@ -114,6 +114,12 @@ BAD_ROWS = {
     "too_long": ({"prompt": "x" * 40}, False,
                  ["is 59 tokens", "data.max_prompt_tokens=30"]),
     "invalid_json": ('{"prompt": "a",', False, ["invalid JSON"]),
+    # the row ends at column 16: it is reported there, not at the newline after it
+    "cut_short": ('{"prompt": "a",', False, ["invalid JSON (Expecting property name enclosed in double quotes "
+                                             "at column 16)"]),
+    "duplicate_key": ('{"prompt": "a", "prompt": "b"}', False, ["the key 'prompt' appears twice in one object"]),
+    "duplicate_nested_key": ('{"prompt": [{"role": "user", "content": "a", "role": "x"}]}', False,
+                             ["the key 'role' appears twice"]),
     "not_an_object": ("[1, 2]", False, ["expected a JSON object, got list"]),
     "missing_completion": ({"prompt": "a"}, True, ["no completion field 'completion'",
                                                    "data.completion_field"]),
@@ -221,6 +227,20 @@ def test_source_errors(tmp_path, chatml_tok):
         load_prompts(str(broken), cfg, chatml_tok)
 
 
+@pytest.mark.parametrize("damage", ["arrow", "state"])
+def test_a_damaged_datasets_directory_is_named(tmp_path, chatml_tok, damage):
+    saved = tmp_path / "d_hf"
+    Dataset.from_list([GOOD] * 4).save_to_disk(str(saved))
+    if damage == "arrow":
+        arrow = next(saved.glob("*.arrow"))
+        arrow.write_bytes(arrow.read_bytes()[:40])
+    else:
+        (saved / "state.json").write_text("{broken")
+    with pytest.raises(DataError, match=r"d_hf': datasets cannot read this save_to_disk directory, a file in it is "
+                                        r"damaged \(\w+: .*\); write it again"):
+        load_prompts(str(saved), DataConfig(), chatml_tok)
+
+
 def test_missing_extra_says_what_to_install(tmp_path, chatml_tok, monkeypatch):
     path = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist([GOOD]), path)
@@ -253,3 +273,23 @@ def test_builtin_task(chatml_tok, tok_text):
 def test_builtin_errors(chatml_tok, source, match):
     with pytest.raises(DataError, match=match):
         load_prompts(source, DataConfig(), chatml_tok)
+
+
+@pytest.mark.parametrize(("template", "named"), [
+    ("{{ raise_exception('System role not supported') }}", "TemplateError: System role not supported"),
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError: "),
+])
+def test_a_chat_template_that_fails_is_named_with_the_row(tmp_path, make_tok, template, named):
+    tok = make_tok(chat_template=template)
+    src = _write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(DataError, match=r"d.jsonl: row 1: the model's chat template fails on this prompt \(" + named):
+        load_prompts(str(src), DataConfig(), tok)
+
+
+def test_sft_and_pairs_need_an_eos_token(tmp_path, make_tok):
+    tok = make_tok()
+    tok.eos_token = None
+    src = _write_jsonl(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(DataError, match=r"d.jsonl: the model's tokenizer has no eos_token, and SFT targets end with EOS"):
+        load_prompts(str(src), DataConfig(), tok, with_completion=True)
+    assert load_prompts(str(src), DataConfig(), tok).prompts  # prompts alone need no EOS
