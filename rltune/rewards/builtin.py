@@ -127,6 +127,17 @@ def format_regex(prompt: Prompt, completion: str, *, pattern: str, **_: object) 
     return 1.0 if re.fullmatch(pattern, completion.strip(), re.DOTALL) else 0.0
 
 
+def _check_format_regex(kwargs: dict[str, Any]) -> None:
+    if "pattern" in kwargs:
+        try:
+            re.compile(kwargs["pattern"])
+        except (re.error, TypeError) as err:
+            raise ValueError(f"kwargs.pattern {kwargs['pattern']!r} is not a regular expression ({err})") from None
+
+
+format_regex.check_kwargs = _check_format_regex  # type: ignore[attr-defined]
+
+
 def length_penalty(
     prompt: Prompt, completion: str, *, max_chars: int, per_char: float = 0.01, cap: float = 1.0,
     **_: object,

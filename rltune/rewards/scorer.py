@@ -42,6 +42,7 @@ cached, so a transient failure is retried next time).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -184,12 +185,23 @@ def _check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str) 
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    # ``**_`` takes the dataset's other fields and ignores them: the config's kwargs must
+    # still be named parameters (a typo would be ignored too)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD and p.name != "_" for p in params):
         return
-    accepted = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    accepted = {p.name for p in params if p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_KEYWORD)}
+    accepted -= {"prompt", "completion"}
     unknown = sorted(kwargs.keys() - accepted)
     if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(accepted), n=1)
         raise RewardLoadError(
             f"reward {name!r}: kwargs {unknown} are not parameters of the function "
-            f"(it accepts {sorted(accepted)}); add `**meta` to its signature to accept any"
+            f"(it accepts {sorted(accepted)})"
+            + (f"; did you mean {close[0]!r}?" if close else "; add `**meta` to its signature to accept any")
         )
+    check = getattr(fn, "check_kwargs", None)  # a function's own check of its config values
+    if check is not None:
+        try:
+            check(kwargs)
+        except ValueError as err:
+            raise RewardLoadError(f"reward {name!r}: {err}") from None

@@ -373,6 +373,21 @@ def test_kwargs_the_function_cannot_take(tmp_path: Path) -> None:
         build_reward_fns([config])
 
 
+def test_a_builtins_kwargs_are_checked_when_the_config_loads() -> None:
+    # the built-ins take the dataset's other fields as ``**_`` and ignore them; a config
+    # kwarg they do not name would be ignored too, so it is refused with the closest name
+    typo = RewardFnConfig(fn="builtin:format_regex", kwargs={"patern": "x"})
+    with pytest.raises(RewardLoadError, match=r"kwargs \['patern'\] are not parameters of the function "
+                                              r"\(it accepts \['pattern'\]\); did you mean 'pattern'\?"):
+        build_reward_fns([typo])
+    bad_regex = RewardFnConfig(fn="builtin:format_regex", kwargs={"pattern": "(<answer>"})
+    with pytest.raises(RewardLoadError, match=r"reward 'format_regex': kwargs.pattern '\(<answer>' is not a regular "
+                                              r"expression \(missing \), unterminated subpattern"):
+        build_reward_fns([bad_regex])
+    ok = RewardFnConfig(fn="builtin:length_penalty", kwargs={"max_chars": 10, "cap": 0.5})
+    assert [rf.name for rf in build_reward_fns([ok])] == ["length_penalty"]
+
+
 def test_lambda_is_named_by_its_spec_and_weights_must_be_finite(tmp_path: Path) -> None:
     path = _user_file(tmp_path)
     assert build_reward_fns([RewardFnConfig(fn=f"{path}:lam")])[0].name == "lam"
