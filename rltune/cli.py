@@ -27,6 +27,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.learner.precision import PrecisionError
     from rltune.metrics.dashboard import DashboardError
     from rltune.metrics.report import ReportError
+    from rltune.metrics.sinks import ResumeError
     from rltune.models.load import ModelLoadError
     from rltune.models.safetensors_io import TensorFileError
     from rltune.parallel.layout import LayoutError
@@ -38,7 +39,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
-        RewardErrorLimit, LayoutError, PrecisionError, PlanError, MemorySettingError,
+        RewardErrorLimit, LayoutError, PrecisionError, PlanError, MemorySettingError, ResumeError,
     )
 
 

@@ -145,7 +145,7 @@ class JsonlLog:
             position = newline + 1
             if row is None:
                 bad += 1
-            elif row is not _BLANK:
+            elif row is not BLANK:
                 rows.append(row)
         more = position < complete or offset + len(data) < size
         return rows, offset + position, bad, more
@@ -226,14 +226,14 @@ class JsonlTail:
                 row = _parse(line)
                 if row is None:
                     self.bad_lines += 1
-                elif row is not _BLANK:
+                elif row is not BLANK:
                     self._rows.append(row)
                     self._next_seq += 1
             self._offset += complete
             return self._offset + (len(data) - complete) < size
 
 
-_BLANK: dict[str, Any] = {}
+BLANK: dict[str, Any] = {}
 """What :func:`_parse` returns for an empty line (skipped, not counted as bad)."""
 
 
@@ -241,7 +241,7 @@ class JsonlError(ValueError):
     """A line of a JSON-lines file is not a JSON object; the message names file and line."""
 
 
-class _BadLine(ValueError):
+class BadLine(ValueError):
     """Why one line is not a row; ``complete``: it is whole JSON (just not an object)."""
 
     def __init__(self, reason: str, *, complete: bool) -> None:
@@ -250,16 +250,16 @@ class _BadLine(ValueError):
 
 
 def parse_line(line: bytes) -> dict[str, Any]:
-    """The JSON object on one line, ``NaN`` and ``Infinity`` read as None; ``_BLANK`` for a
-    blank line. Anything else raises :class:`_BadLine` saying why."""
+    """The JSON object on one line, ``NaN`` and ``Infinity`` read as None; ``BLANK`` for a
+    blank line. Anything else raises :class:`BadLine` saying why."""
     if not line.strip():
-        return _BLANK
+        return BLANK
     try:
         row = json.loads(line.decode("utf-8"), parse_constant=lambda _name: None)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _BadLine(f"not a JSON line ({exc})", complete=False) from exc
+        raise BadLine(f"not a JSON line ({exc})", complete=False) from exc
     if not isinstance(row, dict):
-        raise _BadLine(f"expected a JSON object, got {type(row).__name__}", complete=True)
+        raise BadLine(f"expected a JSON object, got {type(row).__name__}", complete=True)
     return row
 
 
@@ -267,7 +267,7 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     """:func:`parse_line`, with None for a line that is not a row (the dashboard skips it)."""
     try:
         return parse_line(line)
-    except _BadLine:
+    except BadLine:
         return None
 
 
@@ -286,7 +286,7 @@ class JsonlReader:
         self.cut_short = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        failed: tuple[int, _BadLine] | None = None
+        failed: tuple[int, BadLine] | None = None
         with self.path.open("rb") as lines:
             for number, raw in enumerate(lines, start=1):
                 if not raw.strip():
@@ -295,7 +295,7 @@ class JsonlReader:
                     raise JsonlError(f"{self.path}:{failed[0]}: {failed[1]}") from failed[1]
                 try:
                     row = parse_line(raw)
-                except _BadLine as exc:
+                except BadLine as exc:
                     if exc.complete:
                         raise JsonlError(f"{self.path}:{number}: {exc}") from exc
                     failed = (number, exc)

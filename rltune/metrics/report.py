@@ -16,7 +16,7 @@ import html
 import math
 import numbers
 import re
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,9 @@ from typing import Any
 import yaml
 
 from rltune.metrics import keys
-from rltune.metrics.images import copy_images, images_html, sample_image_paths
+from rltune.metrics.images import copy_images, images_html, resolve_image, sample_image_paths
 from rltune.metrics.jsonl import JsonlError, JsonlReader
+from rltune.metrics.report_charts import CHARTS, write_charts
 
 Series = dict[int, float]
 """One metric: step -> value (finite values only; a later line at a step wins)."""
@@ -35,6 +36,10 @@ SAMPLES_SHOWN = 3
 
 MAX_TEXT = 4000
 """Characters of a prompt or completion shown; the rest is cut with a note."""
+
+GENERATOR = '<meta name="generator" content="rltune report">'
+"""Written near the top of every report's ``index.html``: how a later report tells a folder
+that holds an earlier one (which it may replace) from someone else's."""
 
 
 class ReportError(ValueError):
@@ -146,125 +151,6 @@ def _finite_number(value: Any) -> float | None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
-
-
-# --------------------------------------------------------------------------- charts
-
-
-def _figure(panels: int = 1) -> tuple[Any, list[Any]]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7.2 if panels == 1 else 5.0 * panels, 3.6), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
-
-
-def _line(ax: Any, series: Series, label: str, **style: Any) -> None:
-    steps = sorted(series)
-    ax.plot(steps, [series[s] for s in steps], label=label, marker="o", markersize=3, **style)
-
-
-def _finish(fig: Any, axes: Sequence[Any], path: Path, title: str, ylabel: Sequence[str]) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    for ax, label in zip(axes, ylabel):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-        if len(ax.get_legend_handles_labels()[1]) > 1:
-            ax.legend(fontsize="small")
-    fig.suptitle(title)
-    fig.savefig(path, format="png")
-
-
-def _chart_reward(data: RunData, path: Path) -> bool:
-    mean, evals = data.train.get(keys.REWARD_MEAN), data.eval.get(keys.EVAL_REWARD_MEAN)
-    if not mean and not evals:
-        return False
-    fig, [ax] = _figure()
-    if mean:
-        _line(ax, mean, "mean", linewidth=2.2, color="black")
-    for name in keys.reward_names(data.train):
-        _line(ax, data.train[keys.reward_key(name)], name, linewidth=1.0, alpha=0.8)
-    if evals:
-        steps = sorted(evals)
-        ax.scatter(steps, [evals[s] for s in steps], label="eval mean", marker="D", s=36, color="tab:red", zorder=3)
-    _finish(fig, [ax], path, "Reward", ["reward"])
-    return True
-
-
-def _chart_lines(lines: Sequence[tuple[str, str]], title: str, ylabel: str) -> Callable[[RunData, Path], bool]:
-    """A chart of one panel with a line for each of ``lines`` ((metric, label)) present."""
-
-    def chart(data: RunData, path: Path) -> bool:
-        present = [(key, label) for key, label in lines if data.train.get(key)]
-        if not present:
-            return False
-        fig, [ax] = _figure()
-        for key, label in present:
-            _line(ax, data.train[key], label)
-        _finish(fig, [ax], path, title, [ylabel])
-        return True
-
-    return chart
-
-
-def _chart_throughput(data: RunData, path: Path) -> bool:
-    present = [(k, label) for k, label in ((keys.SAMPLES_PER_S, "samples/s"), (keys.TOKENS_PER_S, "tokens/s"))
-               if data.train.get(k)]
-    if not present:
-        return False
-    fig, axes = _figure(len(present))
-    for ax, (key, label) in zip(axes, present):
-        _line(ax, data.train[key], label)
-    _finish(fig, axes, path, "Throughput", [label for _, label in present])
-    return True
-
-
-def _chart_time(data: RunData, path: Path) -> bool:
-    present = [(keys.time_key(p), p) for p in keys.TIME_PHASES if data.train.get(keys.time_key(p))]
-    if not present:
-        return False
-    steps = sorted({s for k, _ in present for s in data.train[k]})
-    fig, [ax] = _figure()
-    bottom = [0.0] * len(steps)
-    for key, label in present:
-        heights = [data.train[key].get(s, 0.0) for s in steps]
-        ax.bar(steps, heights, bottom=bottom, label=label, width=0.8)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    if data.train.get(keys.TIME_STEP):
-        _line(ax, data.train[keys.TIME_STEP], "whole step", color="black", linewidth=1.0)
-    _finish(fig, [ax], path, "Time per step", ["seconds"])
-    return True
-
-
-CHARTS: tuple[tuple[str, str, Callable[[RunData, Path], bool]], ...] = (
-    ("reward.png", "Reward", _chart_reward),
-    ("grad_norm.png", "Gradient norm", _chart_lines([(keys.GRAD_NORM, "grad norm")], "Gradient norm", "norm")),
-    ("kl.png", "KL", _chart_lines([(keys.KL, "kl"), (keys.APPROX_KL, "approx kl")], "KL divergence", "kl")),
-    ("entropy.png", "Entropy", _chart_lines([(keys.ENTROPY, "entropy")], "Entropy", "nats per token")),
-    ("length.png", "Response length",
-     _chart_lines([(keys.LENGTH_MEAN, "mean"), (keys.LENGTH_MAX, "max")], "Response length", "tokens")),
-    ("throughput.png", "Throughput", _chart_throughput),
-    ("time.png", "Time split", _chart_time),
-)
-"""(file name, caption, drawing function); a function returns False, and draws nothing,
-when none of its metrics was logged."""
-
-
-def write_charts(data: RunData, out_dir: Path) -> list[tuple[str, str]]:
-    """Draw every chart whose metrics exist into ``out_dir``; a chart file of an earlier
-    report whose metrics are now absent is removed. Returns (file name, caption) pairs."""
-    written = []
-    for filename, caption, draw in CHARTS:
-        path = out_dir / filename
-        if draw(data, path):
-            written.append((filename, caption))
-        elif path.exists():
-            path.unlink()
-    return written
 
 
 # --------------------------------------------------------------------------- the page
@@ -466,7 +352,7 @@ def render_html(data: RunData, charts: Sequence[tuple[str, str]], copied: Set[st
     images = "".join(f"<figure><img src=\"{_e(f)}\" alt=\"{_e(c)}\"></figure>" for f, c in charts)
     config = f"<h2>Config</h2><pre class=\"config\">{_e(data.config_text)}</pre>" if data.config_text else ""
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">{GENERATOR}"
         f"<title>{_e(data.name)} – rltune report</title><style>{CSS}</style></head><body>"
         f"<h1>{_e(data.name)}</h1>{_steps_line(data)}"
         + (f"<ul class=\"notes\">{notes}</ul>" if notes else "")
@@ -485,15 +371,53 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     the charts as PNG files, the images of the rollouts shown (``images/``) and
     ``index.html``. Returns the path of ``index.html``.
     A missing run directory or ``metrics.jsonl``, or a bad line before the last one, is
-    a :class:`ReportError` naming the file (and line)."""
+    a :class:`ReportError` naming the file (and line).
+
+    The default folder is the report's own: a report there replaces the last one. Any
+    other ``out_dir`` that exists may hold other files, but not one the report would
+    write or remove (``index.html``, a chart, a copied image) unless an earlier report
+    is there (:func:`is_report_page`); else it is a :class:`ReportError` naming the
+    folder, and nothing is written."""
     data = load_run(Path(run_dir))
-    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    default = Path(run_dir) / "report"
+    out = Path(out_dir) if out_dir is not None else default
     if out.exists() and not out.is_dir():
         raise ReportError(f"report directory {out} exists and is not a directory")
+    _, best, worst, _ = pick_samples(data.samples)  # the shown rollouts' images go beside the page
+    image_paths = [p for s in [*best, *worst] for p in sample_image_paths(s)]
+    if out.is_dir() and out.resolve() != default.resolve():
+        _check_replaceable(out, data.run_dir, image_paths)
     out.mkdir(parents=True, exist_ok=True)
     charts = write_charts(data, out)
     index = out / "index.html"
-    _, best, worst, _ = pick_samples(data.samples)  # the shown rollouts' images go beside the page
-    copied = copy_images(data.run_dir, [p for s in [*best, *worst] for p in sample_image_paths(s)], out)
+    copied = copy_images(data.run_dir, image_paths, out)
     index.write_text(render_html(data, charts, copied), encoding="utf-8")
     return index
+
+
+def is_report_page(path: Path) -> bool:
+    """Whether ``path`` is an ``index.html`` a report wrote (it has :data:`GENERATOR` in
+    its first kilobyte)."""
+    try:
+        with path.open("rb") as page:
+            return GENERATOR.encode() in page.read(1024)
+    except OSError:
+        return False
+
+
+def _check_replaceable(out: Path, run_dir: Path, image_paths: Sequence[str]) -> None:
+    """A :class:`ReportError` naming ``out`` if it holds, and no earlier report wrote, a
+    file a report there would write or remove."""
+    if is_report_page(out / "index.html"):
+        return
+    names = ["index.html", *(filename for filename, _, _ in CHARTS)]
+    for relative in dict.fromkeys(image_paths):
+        source = resolve_image(run_dir, relative)
+        if source is not None and (out / relative).resolve() != source:
+            names.append(relative)
+    taken = [name for name in names if (out / name).exists() or (out / name).is_symlink()]
+    if taken:
+        raise ReportError(
+            f"report directory {out} already holds {', '.join(taken)}, which the report would overwrite or remove "
+            "and no earlier rltune report wrote; choose a new or empty directory, or move those files aside"
+        )

@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -21,19 +22,27 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from rltune.metrics import keys
+from rltune.metrics.jsonl import BLANK, BadLine, parse_line
 
 
 class JsonlWriter:
     """Appends one JSON object per line, flushed per write so a crash loses nothing
-    already logged. Non-finite floats are written as null (strict JSON)."""
+    already logged. Non-finite floats are written as null (strict JSON).
+
+    ``resume_after_step=N`` keeps the file, cut back to step N (:func:`truncate_after_step`);
+    a last line cut short by a crash is dropped then, with a warning on stderr, and
+    :attr:`resume_note` says so (None otherwise)."""
 
     def __init__(self, path: Path, *, resume_after_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.resume_note: str | None = None
         if resume_after_step is None:
             self.path.write_text("")
         else:
-            truncate_after_step(self.path, resume_after_step)
+            self.resume_note = truncate_after_step(self.path, resume_after_step)
+            if self.resume_note is not None:
+                print(f"warning: {self.resume_note}", file=sys.stderr)
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -44,26 +53,60 @@ class JsonlWriter:
         self._file.close()
 
 
-def truncate_after_step(path: Path, step: int) -> None:
+class ResumeError(ValueError):
+    """A line of ``metrics.jsonl`` or ``samples.jsonl`` that a resumed run must cut back
+    to its checkpoint's step cannot be read; the message names the file and line, and the
+    file is left as it was."""
+
+
+def truncate_after_step(path: Path, step: int) -> str | None:
     """Drop lines whose ``step`` is greater than ``step`` (written after the checkpoint a
-    run resumes from), so a resumed run's files read as if it had never stopped."""
+    run resumes from), so a resumed run's files read as if it had never stopped.
+
+    The last line, when it has no newline and is not whole JSON (or not whole UTF-8), is
+    the record a crash cut short: it is dropped too, and the note returned says so (None
+    when nothing was dropped but later steps and blank lines). Any other line that is not
+    a JSON object with an integer ``step`` is a :class:`ResumeError` naming the file and
+    line; the file is then left as it was. The kept lines are copied byte for byte, into
+    a new file that replaces the old one only when it is complete."""
+    path = Path(path)
     if not path.exists():
-        return
-    kept = []
-    # records end in "\n" alone: str.splitlines would also cut a line at a U+2028, U+0085
-    # or U+001C-1E inside a completion's text (written unescaped), and drop both halves
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        if not line.strip():
-            continue
-        try:
-            record_step = json.loads(line).get("step", 0)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if record_step <= step:
-            kept.append(line)
+        return None
+    note = None
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    try:
+        # records end in "\n" alone (binary lines split there only): str.splitlines would
+        # also cut a line at a U+2028, U+0085 or U+001C-1E inside a completion's text
+        # (written unescaped), and drop both halves
+        with path.open("rb") as lines, tmp.open("wb") as kept:
+            for number, raw in enumerate(lines, start=1):
+                try:
+                    row = parse_line(raw)
+                except BadLine as exc:
+                    if not raw.endswith(b"\n") and not exc.complete:
+                        note = (f"{path}:{number}: the last line was cut short when the run stopped "
+                                f"and is dropped ({exc})")
+                        continue
+                    raise _resume_error(path, number, str(exc), step) from None
+                if row is BLANK:
+                    continue
+                record_step = row.get("step")
+                if isinstance(record_step, bool) or not isinstance(record_step, int):
+                    raise _resume_error(path, number, f"'step' must be an integer, got {record_step!r:.80}", step)
+                if record_step <= step:
+                    kept.write(raw if raw.endswith(b"\n") else raw + b"\n")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+    return note
+
+
+def _resume_error(path: Path, number: int, reason: str, step: int) -> ResumeError:
+    return ResumeError(
+        f"{path}:{number}: {reason}; cannot cut the file back to step {step} to resume, so it is left as it "
+        "was: fix or delete that line (or move the file aside) and start the run again"
+    )
 
 
 def _finite(value: Any) -> Any:

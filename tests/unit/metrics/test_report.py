@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from rltune.metrics.report import ReportError, fmt, pick_samples, write_report
+from rltune.metrics.report import GENERATOR, ReportError, fmt, is_report_page, pick_samples, write_report
 
 CONFIG = "name: demo<&>\nalgo:\n  name: grpo\ntrain:\n  steps: 4\n"
 
@@ -180,6 +180,100 @@ def test_missing_run_or_metrics_is_named(tmp_path):
     with pytest.raises(ReportError, match=r"metrics.jsonl does not exist"):
         write_report(tmp_path)
     assert issubclass(ReportError, ValueError)
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("files", "named"),
+    [
+        ({"index.html": b"<p>my own page</p>", "notes.txt": b"mine"}, "index.html"),
+        ({"reward.png": b"my chart"}, "reward.png"),  # would be overwritten
+        ({"kl.png": b"my chart"}, "kl.png"),  # would be removed: the run logged no kl
+        ({"index.html": b"<p>mine</p>", "kl.png": b"my chart", "time.png": b"mine too"},
+         "index.html, kl.png, time.png"),
+    ],
+)
+def test_an_out_dir_holding_files_the_report_did_not_write_is_refused(run_dir, tmp_path, files, named):
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    with pytest.raises(ReportError) as info:
+        write_report(run_dir, out)
+    assert str(info.value) == (
+        f"report directory {out} already holds {named}, which the report would overwrite or remove and no "
+        "earlier rltune report wrote; choose a new or empty directory, or move those files aside")
+    assert tree(out) == files  # nothing written, nothing removed
+
+
+def test_an_out_dir_with_other_files_or_an_earlier_report_is_written(run_dir, tmp_path):
+    out = tmp_path / "shared"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    index = write_report(run_dir, out)
+    page = index.read_bytes()
+    assert is_report_page(index) and GENERATOR in page.decode()
+    assert sorted(p.name for p in out.iterdir()) == sorted(CHARTS + ["index.html", "notes.txt"])
+
+    (out / "kl.png").write_bytes(b"as a report of a run that logged kl left it")
+    assert write_report(run_dir, out) == index  # the earlier report is replaced
+    assert index.read_bytes() == page
+    assert not (out / "kl.png").exists()
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not is_report_page(out / "notes.txt") and not is_report_page(out / "nothing.html")
+
+
+def test_the_default_folder_is_the_reports_own(run_dir):
+    # a report written before index.html carried GENERATOR, or a page put there by hand:
+    # RUN_DIR/report is where `rltune report RUN_DIR` writes, named or not
+    out = run_dir / "report"
+    out.mkdir()
+    (out / "index.html").write_text("<p>an older report</p>")
+    assert is_report_page(write_report(run_dir))
+    (out / "index.html").write_text("<p>an older report</p>")
+    assert is_report_page(write_report(run_dir, run_dir / ".." / run_dir.name / "report"))
+
+
+@pytest.mark.parametrize(
+    ("values", "why"),
+    [
+        ([1e308], "its values reach 1e+308, more than a chart can show (at most 1e+300 either way)"),
+        ([-1e308, 0.5], "its values reach 1e+308, more than a chart can show (at most 1e+300 either way)"),
+        ([1.7976931348623157e308, None], "its values reach 1.798e+308, more than a chart can show "
+                                         "(at most 1e+300 either way)"),
+        ([0.5, 2e300], "its values reach 2e+300, more than a chart can show (at most 1e+300 either way)"),
+    ],
+)
+def test_a_chart_with_values_too_large_to_draw_is_left_out_with_a_note(tmp_path, values, why):
+    rows = [{"step": step, "reward/mean": value, "grad_norm": 2.0} for step, value in enumerate(values, start=1)]
+    (tmp_path / "metrics.jsonl").write_text(jsonl(rows))
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "reward.png").write_bytes(b"from an earlier report")
+    page = write_report(tmp_path).read_text()
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["grad_norm.png", "index.html"]
+    assert f"<li>The Reward chart is left out: {why}.</li>" in page
+    assert '<img src="grad_norm.png"' in page and "reward.png" not in page
+    assert "<tr><th>reward/mean</th>" in page  # the summary still has the values
+
+
+def test_a_chart_matplotlib_cannot_draw_is_left_out_with_a_note(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(jsonl([{"step": 1, "kl": 0.5}, {"step": 10**400, "kl": 0.25}]))
+    page = write_report(tmp_path).read_text()
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["index.html"]
+    assert ("<li>The KL chart is left out: matplotlib could not draw its values (OverflowError: int too large "
+            "to convert to float).</li>") in page
+
+
+def test_values_just_under_the_limit_are_drawn(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(jsonl([{"step": 1, "reward/mean": -1e300},
+                                                   {"step": 2, "reward/mean": 1e300}]))
+    page = write_report(tmp_path).read_text()
+    assert png_size(tmp_path / "report" / "reward.png") == (720, 360)
+    assert "left out" not in page
 
 
 def test_pick_samples_ranks_the_last_step():

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from rltune.metrics.report import write_report
+from rltune.metrics.report import ReportError, write_report
 
 RED = b"\x89PNG\r\n\x1a\n" + b"red pixels"
 BLUE = b"\x89PNG\r\n\x1a\n" + b"blue pixels"
@@ -73,3 +73,24 @@ def test_a_report_inside_the_run_copies_into_its_own_folder(run_dir: Path) -> No
     assert (run_dir / "report" / "images" / name(RED)).read_bytes() == RED
     assert f'<img src="images/{name(RED)}"' in page.read_text()
     assert write_report(run_dir) == page  # made again over the last one
+
+
+def test_an_image_the_report_would_overwrite_in_another_folder_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "elsewhere"
+    (out / "images").mkdir(parents=True)
+    (out / "images" / name(BLUE)).write_bytes(b"someone else's file")
+    with pytest.raises(ReportError) as info:
+        write_report(run_dir, out)
+    assert str(info.value).startswith(f"report directory {out} already holds images/{name(BLUE)}, which the report "
+                                      "would overwrite or remove")
+    assert [p.name for p in out.rglob("*")] == ["images", name(BLUE)]
+    assert (out / "images" / name(BLUE)).read_bytes() == b"someone else's file"
+
+
+def test_a_report_into_the_run_directory_itself_leaves_its_images(run_dir: Path) -> None:
+    # the images the page shows are the run's own: nothing to copy, nothing in the way
+    images = sorted(p.name for p in (run_dir / "images").iterdir())
+    page = write_report(run_dir, run_dir).read_text()
+    assert f'<img src="images/{name(RED)}"' in page
+    assert sorted(p.name for p in (run_dir / "images").iterdir()) == images
+    assert (run_dir / "images" / name(RED)).read_bytes() == RED
