@@ -405,7 +405,15 @@ def _read_config(directory: Path) -> dict[str, Any]:
     config = _read_json(config_file)
     if not isinstance(config, dict):
         raise ModelLoadError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
+    for part in (config, config.get("text_config")):  # a size of 0 ends in transformers' ZeroDivisionError
+        bad = [f"{k}={v!r}" for k in _SIZES if (v := part.get(k)) is not None and (type(v) is not int or v < 1)] \
+            if isinstance(part, dict) else []  # None: the model's default (num_key_value_heads)
+        if bad:
+            raise ModelLoadError(f"{config_file}: {', '.join(bad)}: each must be an integer >= 1 (a damaged config?)")
     return config
+
+
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
 def _read_json(path: Path) -> Any:

@@ -38,6 +38,16 @@ def test_a_config_transformers_refuses_names_config_json(model_dir):
         load_tokenizer(str(model_dir))
 
 
+@pytest.mark.parametrize(("key", "value"), [("num_attention_heads", 0), ("hidden_size", "64"), ("vocab_size", -1)])
+def test_a_size_that_is_not_a_positive_integer_names_the_key(model_dir, key, value):
+    # a head count of 0 ended in transformers' ZeroDivisionError
+    config = json.loads((model_dir / "config.json").read_text())
+    config[key] = value
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"config.json: {key}={value!r}: each must be an integer >= 1"):
+        load_model(str(model_dir))
+
+
 def test_a_corrupt_weights_file_of_a_reward_model_is_named(model_dir):
     (model_dir / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match=f"^{model_dir / 'model.safetensors'}: empty \\(0 bytes\\)"):
