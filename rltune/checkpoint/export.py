@@ -3,6 +3,7 @@ checkpoint that way (``rltune export``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -13,76 +14,183 @@ from rltune.checkpoint.sharded import FORMAT as SHARDED
 from rltune.checkpoint.sharded import read_full
 from rltune.checkpoint.store import CheckpointError, latest_checkpoint, load_checkpoint
 from rltune.config import load_config
-from rltune.models.load import load_model, load_tokenizer, resolve_model
+from rltune.models.load import held_transformers_warnings, load_model, load_tokenizer, resolve_model
 from rltune.models.lora import apply_lora, is_lora, merged_copy
+from rltune.models.reward_model import load_reward_model
 
 CHECKPOINTS = "checkpoints"
 """Where a run keeps its checkpoints: ``RUN/checkpoints/step-N``."""
 RUN_CONFIG = "config.yaml"
 """The resolved config a run writes into its directory."""
+STAGING_PREFIX = ".rltune-export-"
+"""Start of the name of the temporary directory an export is written in, beside the output
+(``.rltune-export-OUT.XXXXXXXX``): one of its own, made by ``mkdtemp``, so no name the user
+owns is ever written, moved or removed; one left by a killed export may be deleted."""
 
 
 class ExportError(ValueError):
-    """A run cannot be exported: no such run directory, or an output directory in the way."""
+    """A run cannot be exported: no such run directory, or an output path in the way."""
 
 
 # The processor's own files besides the tokenizer's (which the tokenizer writes).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
-def export_hf(model, tokenizer, directory: Path, *, processor_from: Path | None = None) -> Path:
+def export_hf(
+    model, tokenizer, directory: Path, *, processor_from: Path | None = None, replace: bool = True
+) -> Path:
     """``save_pretrained`` of model and tokenizer into ``directory``, written to a temporary
-    sibling first and renamed, so the directory is either the old or the new export.
-    ``processor_from``: a vision-language model's source directory, whose processor files
-    (:data:`PROCESSOR_FILES`) are copied beside the model as they are.
+    directory beside it first and renamed, so the directory is either the old or the new
+    export, never a half-written one. ``processor_from``: a vision-language model's source
+    directory, whose processor files (:data:`PROCESSOR_FILES`) are copied beside the model
+    as they are.
+
+    ``directory`` may be absent or an empty directory (replaced in one rename). With
+    ``replace`` a directory with files (an earlier export, e.g. a resumed run's ``final``)
+    is replaced too; without it that is an ExportError and nothing is touched, so files
+    that appear there while the model is written are never removed. Everything temporary
+    lives in one ``mkdtemp`` directory of its own (:data:`STAGING_PREFIX`) and is removed
+    at the end, also after a failure.
 
     A model with LoRA adapters is written merged (:func:`rltune.models.lora.merged_copy`):
-    a plain directory that ``AutoModelForCausalLM.from_pretrained`` loads without peft.
-    ``model`` itself is left as it was, adapters and all.
+    a plain directory that ``AutoModelForCausalLM.from_pretrained`` (a reward model:
+    ``AutoModelForSequenceClassification``) loads without peft. ``model`` itself is left
+    as it was, adapters and all.
+
+    Raises:
+        ExportError: ``directory`` or one of its parents is in the way (a file, a link,
+            no permission), or the write failed (e.g. the disk is full).
     """
+    directory = Path(directory)
+    check_output(directory, may_hold_files=replace)
     if is_lora(model):
         model = merged_copy(model)
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    # its parent and name as the path means them: "." or "out/.." have no name of their own
+    target = Path(os.path.abspath(directory))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target.name}.", dir=target.parent))
+    except OSError as err:
+        raise ExportError(f"cannot write the export to {directory}: {err}") from err
+    keep = False
+    try:
+        # A subdirectory, not the mkdtemp directory itself: that one is owner-only (0700),
+        # and the export should have the permissions of any directory the user makes.
+        new = staging / "model"
+        new.mkdir()
+        model.save_pretrained(new, safe_serialization=True)
+        tokenizer.save_pretrained(new)
         for name in PROCESSOR_FILES if processor_from is not None else ():
             if (Path(processor_from) / name).is_file():
-                shutil.copy2(Path(processor_from) / name, tmp / name)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, directory)
+                shutil.copy2(Path(processor_from) / name, new / name)
+        _install(new, target, aside=staging / "old", replace=replace)
+    except _KeptAside:
+        keep = True  # the earlier export is in there
+        raise
+    except OSError as err:
+        raise ExportError(f"cannot write the export to {directory}: {err}; {directory} is as it was") from err
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+class _KeptAside(ExportError):
+    """The earlier export was moved aside and could not be put back: the caller keeps the
+    temporary directory it is in, whose path the message names."""
+
+
+def _install(new: Path, directory: Path, *, aside: Path, replace: bool) -> None:
+    """Rename ``new`` to ``directory``. An absent or empty ``directory`` is replaced by the
+    rename itself (POSIX ``rename`` replaces an empty directory, atomically, and refuses
+    one with files). A directory with files, when ``replace``, is first moved to
+    ``aside`` (inside the export's own temporary directory) and moved back if the second
+    rename fails."""
+    try:
+        os.replace(new, directory)
+        return
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        if not replace:
+            raise ExportError(
+                f"output directory {directory} received files while the model was written; "
+                f"left as it is, choose a new one"
+            ) from err
+    os.replace(directory, aside)
+    try:
+        os.replace(new, directory)
+    except BaseException as err:
+        try:
+            os.replace(aside, directory)
+        except OSError as again:
+            raise _KeptAside(
+                f"cannot write the export to {directory} ({err}) nor put the earlier export back "
+                f"({again}); the earlier export is in {aside}"
+            ) from again
+        raise
+
+
+def check_output(directory: Path, *, may_hold_files: bool = False) -> None:
+    """Refuse an output path that the export could not be written to, before anything is
+    loaded: ``directory`` must be absent or a directory (empty unless ``may_hold_files``),
+    not a symbolic link (the rename would replace the link, not fill its target), and
+    its nearest existing parent a directory this process may write in.
+
+    Raises:
+        ExportError: naming the path in the way.
+    """
+    directory = Path(directory)
+    if directory.is_symlink():
+        raise ExportError(
+            f"output directory {directory} is a symbolic link; give the directory it points to "
+            f"({os.path.realpath(directory)}) or a new path"
+        )
+    if os.path.lexists(directory):
+        if not directory.is_dir():
+            raise ExportError(f"output directory {directory} is a file, not a directory; choose a new path")
+        try:
+            busy = any(directory.iterdir())
+        except OSError as err:
+            raise ExportError(
+                f"output directory {directory} cannot be read ({err.strerror}); choose a new one"
+            ) from err
+        if busy and not may_hold_files:
+            raise ExportError(f"output directory {directory} already exists and is not empty; choose a new one")
+    parent = directory.absolute().parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(
+            f"output directory {directory}: {parent} is a file, not a directory; choose a path "
+            f"whose parents are directories"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"output directory {directory}: no permission to write in {parent}; choose another path")
 
 
 def export_run(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None) -> Path:
     """Write the model of a run's checkpoint to ``out_dir`` as a plain HF directory.
 
-    Rebuilds the model from the run's resolved ``config.yaml`` (``model.path`` relative
-    paths resolve against the working directory, as in training; LoRA adapters when
-    ``model.lora`` is set), loads ``checkpoint`` or else the run's newest complete one,
-    and writes it with the base model's tokenizer (merged, for LoRA). ``out_dir`` must not
-    exist or be empty. Returns the checkpoint exported.
+    Rebuilds the model from the run's resolved ``config.yaml`` as training built it
+    (``model.path`` relative paths resolve against the working directory, as in training;
+    a reward model for ``algo.name: reward_model``; LoRA adapters when ``model.lora`` is
+    set), loads ``checkpoint`` or else the run's newest complete one, and writes it with
+    the base model's tokenizer (merged, for LoRA). A policy run exports the policy (a
+    PPO run's critic is not exported). ``out_dir`` must not exist or be empty, and must lie
+    outside the run's checkpoints; it is checked before anything is loaded. Returns the
+    checkpoint exported.
 
     Raises:
-        ExportError: ``run_dir`` is not a run directory, or ``out_dir`` holds files.
+        ExportError: ``run_dir`` is not a run directory, or ``out_dir`` is in the way.
         CheckpointError: no complete checkpoint, or one that does not fit the config.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not (run_dir / RUN_CONFIG).is_file():
         what = "does not exist" if not run_dir.exists() else f"has no {RUN_CONFIG}"
         raise ExportError(f"run directory {run_dir} {what}; pass the directory of a run (log.dir/NAME)")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"output directory {out_dir} already exists and is not empty; choose a new one")
+    _check_outside_run(out_dir, run_dir, checkpoint)
+    check_output(out_dir)
     cfg = load_config(run_dir / RUN_CONFIG)
     if checkpoint is None:
         checkpoint = latest_checkpoint(run_dir / CHECKPOINTS)
@@ -93,21 +201,63 @@ def export_run(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None) 
             )
     weights, model_meta = _checkpoint_weights(Path(checkpoint))
     model_dir = resolve_model(cfg.model.path)
-    model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora, language_model_only=cfg.model.freeze_vision)
+    model = _run_model(cfg, model_dir)
     # A checkpoint that does not record its model format holds a full state_dict.
     model_from_state(model, weights, model_meta, where=str(checkpoint))
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    export_hf(model, tokenizer, out_dir, processor_from=Path(model_dir))
+    export_hf(model, tokenizer, out_dir, processor_from=Path(model_dir), replace=False)
     return Path(checkpoint)
+
+
+def _run_model(cfg, model_dir: str):
+    """The model the run trained, built as :func:`rltune.runtime.roles.learner_model` builds
+    it, before its checkpoint is loaded: for a reward-model run a sequence classifier (the
+    decoder and a ``score`` head; a causal LM has no head for the checkpoint's
+    ``score.weight``), else the causal LM; with LoRA adapters as configured.
+
+    The reward model's head is drawn with ``train.seed`` as in training: a full
+    checkpoint overwrites it, but a LoRA checkpoint's fingerprint covers the frozen
+    original beside the trained copy, so it must be the same draw. transformers' note that
+    the head was newly initialised is dropped: the checkpoint's head replaces it."""
+    from rltune.learner.preference import PREFERENCE_METHODS
+
+    common = dict(dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    method = PREFERENCE_METHODS.get(cfg.algo.name)
+    if method is not None and method.scores:
+        with held_transformers_warnings():  # never released: the new head's report is moot
+            model = load_reward_model(model_dir, seed=cfg.train.seed, **common)
+    else:
+        model = load_model(model_dir, **common)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora, language_model_only=cfg.model.freeze_vision)
+    return model
+
+
+def _check_outside_run(out_dir: Path, run_dir: Path, checkpoint: Path | None) -> None:
+    """Refuse an output inside the run's checkpoints or the checkpoint exported (the
+    checkpoint store prunes and moves what is there, and a step directory holds only
+    what its marker lists), and an output that is, or holds, the run directory."""
+    out = out_dir.resolve()
+    owned = [(run_dir / CHECKPOINTS, "the run's checkpoint directory")]
+    if checkpoint is not None:
+        owned.append((Path(checkpoint), "the checkpoint"))
+    for path, what in owned:
+        if out.is_relative_to(path.resolve()):
+            raise ExportError(
+                f"output directory {out_dir} is inside {what} {path}, which the checkpoint "
+                f"store manages; choose a directory outside it"
+            )
+    if run_dir.resolve().is_relative_to(out):
+        what = "is" if run_dir.resolve() == out else "holds"
+        raise ExportError(f"output directory {out_dir} {what} the run directory {run_dir}; choose a new one")
 
 
 def _checkpoint_weights(checkpoint: Path) -> tuple[dict, dict | None]:
     """The model's tensors of a checkpoint and their format meta. A sharded checkpoint
     (a learner group's DCP shards) is read into full tensors here, in this one process,
     tensor by tensor from every rank's file (:func:`rltune.checkpoint.sharded.read_full`):
-    the export holds the model once, as ``save_pretrained`` needs it anyway."""
+    the export holds the model once, as ``save_pretrained`` needs it anyway. Only the
+    ``model`` entry is read: a PPO checkpoint's ``critic_model`` is not the policy."""
     tensors, meta = load_checkpoint(checkpoint)
     model_meta = meta.get("model")
     if isinstance(model_meta, dict) and model_meta.get("format") == SHARDED:

@@ -1,6 +1,7 @@
 """`rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`: the exported directory loads with
 plain transformers and computes what the checkpoint's model computes; LoRA runs come out
-merged; a missing run, a run without checkpoints, a busy output directory and weights
+merged; a missing run, a run without checkpoints, a checkpoint path that is not one, a
+busy output directory, an output under a file or inside the run's checkpoints, and weights
 that do not fit the run's config are one message and exit code 2."""
 
 from __future__ import annotations
@@ -148,6 +149,53 @@ def test_an_output_directory_with_files_is_left_alone(capsys, sft_run, tmp_path)
     err = fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
     assert f"output directory {tmp_path / 'out'} already exists and is not empty" in err
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_an_empty_output_directory_is_filled_and_the_files_beside_it_kept(capsys, sft_run, tmp_path):
+    """An existing empty output directory is used; directories beside it, even one named
+    as the export once named its backup (``.out.old``), are the user's and stay."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / ".out.old").mkdir()
+    (tmp_path / ".out.old" / "notes.txt").write_text("mine")
+    _succeeds(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out")])
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / ".out.old" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old", "out"]  # nothing temporary left
+
+
+def test_an_output_under_a_file(capsys, sft_run, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    err = fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "afile" / "sub")])
+    assert f"output directory {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file, not a directory" in err
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["the run", "a checkpoint", "the checkpoint root"])
+def test_an_output_inside_the_run_s_checkpoints_or_the_run_itself(capsys, sft_run, where):
+    run_dir = sft_run.run_dir
+    out, message = {
+        "the run": (run_dir, f"output directory {run_dir} is the run directory {run_dir}"),
+        "a checkpoint": (run_dir / "checkpoints" / "step-1" / "hf",
+                         f"output directory {run_dir / 'checkpoints' / 'step-1' / 'hf'} is inside the "
+                         f"run's checkpoint directory {run_dir / 'checkpoints'}"),
+        "the checkpoint root": (run_dir / "checkpoints" / "hf",
+                                f"output directory {run_dir / 'checkpoints' / 'hf'} is inside the "
+                                f"run's checkpoint directory {run_dir / 'checkpoints'}"),
+    }[where]
+    assert message in fails(capsys, ["export", str(run_dir), str(out)])
+    assert not (run_dir / "checkpoints" / "step-1" / "hf").exists() and not (run_dir / "checkpoints" / "hf").exists()
+
+
+@pytest.mark.parametrize("given", ["the run directory", "a file", "the final export"])
+def test_a_checkpoint_path_that_is_not_a_checkpoint(capsys, sft_run, tmp_path, given):
+    """One message naming the path (its wording is the checkpoint store's)."""
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    path = {"the run directory": sft_run.run_dir, "a file": sft_run.run_dir / "config.yaml",
+            "the final export": tmp_path / "final"}[given]
+    err = fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(path)])
+    assert f"checkpoint {path} " in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_weights_that_do_not_fit_the_config(capsys, sft_run, tmp_path):
