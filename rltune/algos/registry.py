@@ -150,6 +150,10 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
+_BUILT_IN = dict(ALGORITHMS)
+"""The entries above, as rltune defines them (their key rules are known)."""
+
+
 def config_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
     """What in a run config (``rltune.config.Config``) ``algorithm`` cannot run with, one
     line each; empty when nothing. The checks that depend on which algorithm it is live
@@ -203,8 +207,8 @@ def _online(algorithm: Algorithm, a: Any) -> str | None:
 # it, else why not. ``algo.epochs`` and ``algo.minibatches`` are read by every algorithm.
 _KEY_USE: dict[str, Callable[[Algorithm, Any], str | None]] = {
     "group_size": _online,
-    "adv_scale": lambda al, a: None if al.advantage is group_advantages else "its advantages are not GRPO's",
-    "adv_eps": lambda al, a: None if al.advantage is group_advantages else "its advantages are not GRPO's",
+    "adv_scale": lambda al, a: None if al.advantage_kwargs is group_advantage_kwargs else "its advantages are not GRPO's",
+    "adv_eps": lambda al, a: None if al.advantage_kwargs is group_advantage_kwargs else "its advantages are not GRPO's",
     "clip_low": _online,
     "clip_high": _online,
     "dual_clip": _online,
@@ -217,7 +221,8 @@ _KEY_USE: dict[str, Callable[[Algorithm, Any], str | None]] = {
     "lam": lambda al, a: None if al.needs_critic else "it has no critic (GAE)",
     "value_clip": lambda al, a: None if al.needs_critic else "it has no critic",
     "critic_lr": lambda al, a: None if al.needs_critic else "it has no critic",
-    "critic_warmup_steps": lambda al, a: None if al.needs_critic else "it has no critic",
+    "critic_warmup_steps": lambda al, a: None if al.needs_critic else (
+        "it has no critic to warm up: the policy would not learn for those steps"),
     "dynamic_sampling": _online,
     "max_refill_rounds": lambda al, a: _online(al, a) or (None if a.dynamic_sampling else "dynamic_sampling is off"),
     "overlong_buffer": _online,
@@ -230,25 +235,33 @@ _KEY_USE: dict[str, Callable[[Algorithm, Any], str | None]] = {
 }
 
 
+def unread_keys(algorithm: Algorithm, cfg: Any) -> dict[str, str]:
+    """The dotted keys of ``cfg`` that ``algorithm`` does not read, each with why, whatever
+    their values. An entry registered by the user (not one of the built-in ones) may read
+    any ``algo`` key through its own functions, so only ``model.critic_path`` is judged
+    for it."""
+    built_in = _BUILT_IN.get(algorithm.name) is algorithm
+    unread = {f"algo.{key}": why for key, rule in _KEY_USE.items()
+              if built_in and (why := rule(algorithm, cfg.algo)) is not None}
+    if not algorithm.needs_critic:
+        unread["model.critic_path"] = "it has no critic"
+    return unread
+
+
 def unused_key_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
     """The keys set away from ``algorithm``'s defaults that it would not read, one line
     each: a value that would be ignored is refused, not silently dropped (``algo.kl_coef``
     on SFT, ``model.critic_path`` without a critic). A key left at its default, or set to
     it, is not reported; the defaults are those of ``algo.name`` (its preset included)."""
-    a, name = cfg.algo, algorithm.name
-    defaults = type(a)(name=a.name)
+    defaults = type(cfg.algo)(name=cfg.algo.name)
     problems = []
-    for key, why_not in _KEY_USE.items():
-        value = getattr(a, key)
-        if value == getattr(defaults, key):
+    for key, why in unread_keys(algorithm, cfg).items():
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value == (getattr(defaults, field) if section == "algo" else None):
             continue
-        reason = why_not(algorithm, a)
-        if reason is not None:
-            problems.append(f"algo.{key}={value} has no effect with algo.name={name} ({reason}); remove it")
-    if cfg.model.critic_path is not None and not algorithm.needs_critic:
-        problems.append(
-            f"model.critic_path has no effect with algo.name={name} (it has no critic); remove it"
-        )
+        shown = key if section == "model" else f"{key}={value}"
+        problems.append(f"{shown} does not apply to algo.name={algorithm.name} ({why}); remove it")
     return problems
 
 

@@ -126,12 +126,16 @@ def load_prompts(
     with_pairs: bool = False,
     processor: Any = None,
     model: str | None = None,
+    fields_are_keywords: bool = False,
 ) -> PromptSet:
     """Read, check and tokenise every row of ``source`` (see the module docstring).
 
     ``with_completion``: rows carry an SFT target; ``with_pairs``: rows are preference
     pairs. At most one of them. ``processor``: a vision-language model's processor (None
-    for a text model); ``model`` names the model in the error for images without one."""
+    for a text model); ``model`` names the model in the error for images without one.
+    ``fields_are_keywords``: the rows' other fields are passed to reward functions as
+    keywords (a per-sample reward is configured), so a field named ``prompt`` or
+    ``completion`` is a bad row."""
     if with_completion and with_pairs:
         raise ValueError("load_prompts: with_completion and with_pairs exclude each other")
     if (with_completion or with_pairs) and getattr(tokenizer, "eos_token_id", None) is None:
@@ -149,7 +153,8 @@ def load_prompts(
     for raw in rows:
         try:
             prompt = _row_to_prompt(
-                raw, name, render, with_completion=with_completion, with_pairs=with_pairs
+                raw, name, render, with_completion=with_completion, with_pairs=with_pairs,
+                fields_are_keywords=fields_are_keywords,
             )
             _check_unique_id(prompt.id, raw.number, seen_ids)
         except _BadRow as bad:
@@ -177,6 +182,7 @@ def _row_to_prompt(
     *,
     with_completion: bool,
     with_pairs: bool = False,
+    fields_are_keywords: bool = False,
 ) -> Prompt:
     if raw.fields is None:
         raise _BadRow(str(raw.problem), "fix or remove the line")
@@ -189,7 +195,7 @@ def _row_to_prompt(
     if with_pairs:
         not_meta |= {cfg.chosen_field, cfg.rejected_field}
     meta = {k: v for k, v in row.items() if k not in not_meta}
-    if not (with_pairs or with_completion) and (taken := sorted(_REWARD_ARGS & meta.keys())):
+    if fields_are_keywords and (taken := sorted(_REWARD_ARGS & meta.keys())):
         raise _BadRow(
             f"the field {taken[0]!r} would reach the reward functions as a keyword, but "
             f"`{taken[0]}` is already their argument (fn(prompt, completion, **fields))",

@@ -131,6 +131,8 @@ def _read_datasets_dir(path: Path) -> list[RawRow]:
             f"data source {str(path)!r} is a directory but not one written by "
             f"datasets' save_to_disk: {err}"
         ) from err
+    except OSError as err:  # permissions, I/O: the directory may be whole
+        raise DataError(f"data source {str(path)!r}: cannot read this save_to_disk directory ({err})") from err
     except Exception as err:  # a damaged file inside it: arrow's, json's, datasets' own errors
         raise DataError(
             f"data source {str(path)!r}: datasets cannot read this save_to_disk directory, a file in it "

@@ -396,13 +396,14 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
 
 
 def is_report_page(path: Path) -> bool:
-    """Whether ``path`` is an ``index.html`` a report wrote (it has :data:`GENERATOR` in
-    its first kilobyte)."""
+    """Whether ``path`` is an ``index.html`` a report wrote: it has :data:`GENERATOR`, or
+    (a report written before that tag) the report's title, in its first kilobytes."""
     try:
         with path.open("rb") as page:
-            return GENERATOR.encode() in page.read(1024)
+            head = page.read(4096)
     except OSError:
         return False
+    return GENERATOR.encode() in head or "– rltune report</title>".encode() in head
 
 
 def _check_replaceable(out: Path, run_dir: Path, image_paths: Sequence[str]) -> None:

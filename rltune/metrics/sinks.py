@@ -59,7 +59,7 @@ class ResumeError(ValueError):
     file is left as it was."""
 
 
-def truncate_after_step(path: Path, step: int) -> str | None:
+def truncate_after_step(path: Path, step: int, *, check_only: bool = False) -> str | None:
     """Drop lines whose ``step`` is greater than ``step`` (written after the checkpoint a
     run resumes from), so a resumed run's files read as if it had never stopped.
 
@@ -68,12 +68,14 @@ def truncate_after_step(path: Path, step: int) -> str | None:
     when nothing was dropped but later steps and blank lines). Any other line that is not
     a JSON object with an integer ``step`` is a :class:`ResumeError` naming the file and
     line; the file is then left as it was. The kept lines are copied byte for byte, into
-    a new file that replaces the old one only when it is complete."""
+    a new file that replaces the old one only when it is complete. ``check_only`` reads
+    the file the same way and changes nothing (a resume checks every file before it cuts
+    any)."""
     path = Path(path)
     if not path.exists():
         return None
     note = None
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = Path(os.devnull) if check_only else path.with_suffix(path.suffix + ".tmp")
     try:
         # records end in "\n" alone (binary lines split there only): str.splitlines would
         # also cut a line at a U+2028, U+0085 or U+001C-1E inside a completion's text
@@ -96,9 +98,11 @@ def truncate_after_step(path: Path, step: int) -> str | None:
                 if record_step <= step:
                     kept.write(raw if raw.endswith(b"\n") else raw + b"\n")
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if not check_only:
+            tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
+    if not check_only:
+        os.replace(tmp, path)
     return note
 
 

@@ -123,7 +123,9 @@ def _run_data(cfg: Config, inputs: _Inputs, tokenizer: "PreTrainedTokenizerBase"
     if preference is not None:
         train, held_out, warnings = preference.train_prompts, preference.eval_prompts, preference.data_warnings
     else:
-        vl = {"processor": processor, "model": cfg.model.path}
+        # a row's other fields reach per-sample rewards as keywords beside prompt and completion
+        vl = {"processor": processor, "model": cfg.model.path,
+              "fields_are_keywords": any(not rf.batched for rf in inputs.reward_fns)}
         train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_completion=not inputs.algorithm.online, **vl)
         eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, **vl) if cfg.data.eval else None
         train = train_set.prompts

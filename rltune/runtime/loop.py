@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from rltune.data.records import Prompt, Rollout, TrainBatch
 from rltune.metrics import keys
-from rltune.metrics.sinks import ConsoleProgress
+from rltune.metrics.sinks import ConsoleProgress, truncate_after_step
 from rltune.metrics.types import Aggregator, Last, Metric, Sum
 from rltune.runtime.clock import StepClock
 from rltune.runtime.parts import Run
@@ -32,8 +32,15 @@ def train(run: Run, *, stop_after: int | None = None) -> list[dict[str, float]]:
     restored = restore(run)
     resume_after = run.step if restored else None
     notes = [*run.spec.notes, *restored.lines(cfg.train.steps)]
+    if resume_after is not None:  # both files readable before either is cut back
+        for name in ("samples.jsonl", "metrics.jsonl"):
+            truncate_after_step(run.run_dir / name, resume_after, check_only=True)
     samples_log = SampleLog(run.run_dir, resume_after_step=resume_after)
-    metrics_log = open_sinks(cfg, run.run_dir, resume_after_step=resume_after)
+    try:
+        metrics_log = open_sinks(cfg, run.run_dir, resume_after_step=resume_after)
+    except BaseException:
+        samples_log.close()
+        raise
     stopped: RewardErrorLimit | None = None
     try:
         ran = _train_steps(run, stop_after, metrics_log, samples_log, notes)

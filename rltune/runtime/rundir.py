@@ -32,6 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from rltune.algos import ALGORITHMS
+from rltune.algos.registry import unread_keys
 from rltune.checkpoint.store import META_FILE, latest_checkpoint
 from rltune.config import Config, ConfigError, load_config
 
@@ -202,22 +204,36 @@ def check_recorded_meaning(cfg: Config, recorded: Any, where: str, checkpoint: P
             f"{where}: the config recorded in checkpoint {checkpoint} cannot be read to compare with "
             f"({str(err).splitlines()[0]}); it was written by another version of rltune"
         ) from None
-    check_same_meaning(cfg, old, where, f"the one recorded in checkpoint {checkpoint}")
+    try:  # the same JSON round trip as the record (an int dict key comes back a str, a date a string)
+        mine = Config.model_validate(cfg.model_dump(mode="json"))
+    except ValueError:
+        mine = cfg
+    check_same_meaning(mine, old, where, f"the one recorded in checkpoint {checkpoint}")
 
 
 def check_same_meaning(cfg: Config, old: Config, where: str, whose: str) -> None:
     """Raise :class:`ConfigError` naming every key outside :data:`FREE_KEYS` where ``cfg``
     differs from ``old`` (``whose``: which config ``old`` is, for the message)."""
+    unread = _unread(old, cfg)
     changed = [
         f"{key}: {_show(a)} -> {_show(b)}"
         for key, a, b in differences(old, cfg)
-        if (not _free(key) or _cosine_length(key, old, cfg)) and not _same_function(key, a, b)
+        if (not _free(key) or _cosine_length(key, old, cfg)) and not _same_function(key, a, b) and key not in unread
     ]
     if changed:
         raise ConfigError(
             f"{where}: this config differs from {whose} in what the run means: "
             f"{'; '.join(changed)}; resume with the run's values, or start a new run (another `name`)"
         )
+
+
+def _unread(old: Config, new: Config) -> set[str]:
+    """Keys the algorithm of both configs reads in neither: a value it ignores is not the
+    run's meaning (and one set in an old run, refused now, may then be dropped)."""
+    algorithm = ALGORITHMS.get(old.algo.name)
+    if algorithm is None or new.algo.name != old.algo.name:
+        return set()
+    return set(unread_keys(algorithm, old)) & set(unread_keys(algorithm, new))
 
 
 def _free(key: str) -> bool:

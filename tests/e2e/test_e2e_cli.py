@@ -228,6 +228,20 @@ def test_resume_without_the_runs_config_file_is_checked_against_the_checkpoint(c
     assert [m["step"] for m in _jsonl(run_dir / "metrics.jsonl")][-1] == 3
 
 
+def test_a_resume_with_an_unreadable_metrics_line_changes_no_file(capsys, config_file, tmp_path):
+    """Both files are checked before either is cut back to the checkpoint's step."""
+    path = config_file()
+    _succeeds(capsys, ["train", str(path)])
+    run_dir = tmp_path / "runs" / "cli-run"
+    metrics, samples = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+    metrics.write_bytes(b"[1]\n" + metrics.read_bytes())
+    samples.write_bytes(samples.read_bytes() + b'{"step": 5}\n')  # after the checkpoint: a resume would cut it
+    before = (metrics.read_bytes(), samples.read_bytes())
+    err = fails(capsys, ["train", str(path), "checkpoint.resume=auto", "train.steps=3"])
+    assert f"{metrics}:1: expected a JSON object" in " ".join(err.split())
+    assert (metrics.read_bytes(), samples.read_bytes()) == before
+
+
 # --------------------------------------------------------------------------- a good run
 
 

@@ -60,14 +60,16 @@ def place_run(cfg: Config, *, name: str) -> Placement:
 
 def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, run_dir: Path) -> Run:
     restarts_left = cfg.runtime.learner_restarts
-    fault: tuple[Exception, Path | None] | None = None
+    faults: list[tuple[Exception, Path | None, int]] = []  # not yet recorded
     while True:
         roles = RayRoles(placement, config_dir, run_dir)
         try:
-            run = build_run(cfg, roles, config_dir=config_dir)
-            if fault is not None:  # recorded in the directory that continues the run
-                _record_fault(run_dir, *fault, restarts_left)
-                fault = None
+            try:
+                run = build_run(cfg, roles, config_dir=config_dir)
+            finally:  # in the directory that continues the run (a fresh start moves the old one aside)
+                for fault in faults:
+                    _record_fault(run_dir, *fault)
+                faults.clear()
             train(run)
             if cfg.checkpoint.final:
                 _export_final(cfg, run)
@@ -79,7 +81,7 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
             restarts_left -= 1
             print(f"rltune: {err}; resuming from {newest or 'the start'} ({restarts_left} learner restarts left)",
                   flush=True)
-            fault = (err, newest)
+            faults.append((err, newest, restarts_left))
             # a run that started fresh resumes from its own newest checkpoint, or starts over
             # (``auto`` finding no checkpoint moves this attempt's files aside; ``never``
             # would refuse the directory this attempt wrote)

@@ -48,7 +48,7 @@ REWARD = "reward=[{fn: builtin:exact_numeric}]"
         (["algo.name=rloo", "algo.group_size=1", REWARD], "algo.group_size must be >= 2 for rloo (the group is the baseline)"),
         (["algo.name=sft", "runtime.max_staleness=1", "algo.importance_correction=token-truncate"],
          ["runtime.max_staleness is for algorithms that generate; sft does not",
-          "algo.importance_correction=token-truncate has no effect with algo.name=sft "
+          "algo.importance_correction=token-truncate does not apply to algo.name=sft "
           "(it learns from a fixed dataset and does not generate); remove it"]),
         (["algo.name=grpo", "algo.kl_coef=0.1", "algo.kl_in_reward=true", REWARD],
          "algo.kl_in_reward needs per-token rewards (ppo, reinforce_pp, reinforce_pp_baseline); "
@@ -75,32 +75,32 @@ def test_what_an_algorithm_can_run_with_has_no_problem():
     ("overrides", "expected"),
     [
         (["algo.name=sft", "algo.kl_coef=0.1"],
-         "algo.kl_coef=0.1 has no effect with algo.name=sft (it learns from a fixed dataset and does not generate); remove it"),
+         "algo.kl_coef=0.1 does not apply to algo.name=sft (it learns from a fixed dataset and does not generate); remove it"),
         (["algo.name=dpo", "algo.group_size=4"],
-         "algo.group_size=4 has no effect with algo.name=dpo (it learns from a fixed dataset and does not generate); remove it"),
+         "algo.group_size=4 does not apply to algo.name=dpo (it learns from a fixed dataset and does not generate); remove it"),
         (["algo.name=grpo", "model.critic_path=/m", REWARD],
-         "model.critic_path has no effect with algo.name=grpo (it has no critic); remove it"),
-        (["algo.name=grpo", "algo.lam=0.9", REWARD], "algo.lam=0.9 has no effect with algo.name=grpo (it has no critic (GAE)); remove it"),
+         "model.critic_path does not apply to algo.name=grpo (it has no critic); remove it"),
+        (["algo.name=grpo", "algo.lam=0.9", REWARD], "algo.lam=0.9 does not apply to algo.name=grpo (it has no critic (GAE)); remove it"),
         (["algo.name=rloo", "algo.adv_scale=none", REWARD],
-         "algo.adv_scale=none has no effect with algo.name=rloo (its advantages are not GRPO's); remove it"),
+         "algo.adv_scale=none does not apply to algo.name=rloo (its advantages are not GRPO's); remove it"),
         (["algo.name=grpo", "algo.gamma=0.9", REWARD],
-         "algo.gamma=0.9 has no effect with algo.name=grpo (it has no per-token returns); remove it"),
+         "algo.gamma=0.9 does not apply to algo.name=grpo (it has no per-token returns); remove it"),
         (["algo.name=ppo", "algo.kl_horizon=100", REWARD],
-         "algo.kl_horizon=100 has no effect with algo.name=ppo (it adapts the KL in the reward (kl_in_reward: true)); remove it"),
+         "algo.kl_horizon=100 does not apply to algo.name=ppo (it adapts the KL in the reward (kl_in_reward: true)); remove it"),
         (["algo.name=ppo", "algo.kl_coef=0.1", "algo.kl_in_reward=true", "algo.kl_kind=k2", REWARD],
-         "algo.kl_kind=k2 has no effect with algo.name=ppo (the KL in the reward is k1); remove it"),
+         "algo.kl_kind=k2 does not apply to algo.name=ppo (the KL in the reward is k1); remove it"),
         (["algo.name=grpo", "algo.max_refill_rounds=2", REWARD],
-         "algo.max_refill_rounds=2 has no effect with algo.name=grpo (dynamic_sampling is off); remove it"),
+         "algo.max_refill_rounds=2 does not apply to algo.name=grpo (dynamic_sampling is off); remove it"),
         (["algo.name=grpo", "algo.overlong_penalty=0.5", REWARD],
-         "algo.overlong_penalty=0.5 has no effect with algo.name=grpo (overlong_buffer is 0); remove it"),
+         "algo.overlong_penalty=0.5 does not apply to algo.name=grpo (overlong_buffer is 0); remove it"),
         (["algo.name=grpo", "algo.importance_cap=3", REWARD],
-         "algo.importance_cap=3.0 has no effect with algo.name=grpo (importance_correction is none); remove it"),
+         "algo.importance_cap=3.0 does not apply to algo.name=grpo (importance_correction is none); remove it"),
         (["algo.name=grpo", "algo.beta=0.5", REWARD],
-         "algo.beta=0.5 has no effect with algo.name=grpo (it does not learn from preference pairs); remove it"),
+         "algo.beta=0.5 does not apply to algo.name=grpo (it does not learn from preference pairs); remove it"),
         (["algo.name=simpo", "algo.dpo_kind=ipo"],
-         "algo.dpo_kind=ipo has no effect with algo.name=simpo (its loss has no such term); remove it"),
+         "algo.dpo_kind=ipo does not apply to algo.name=simpo (its loss has no such term); remove it"),
         (["algo.name=reward_model", "algo.beta=0.5"],
-         "algo.beta=0.5 has no effect with algo.name=reward_model (its loss has no such term); remove it"),
+         "algo.beta=0.5 does not apply to algo.name=reward_model (its loss has no such term); remove it"),
     ],
 )
 def test_a_key_the_algorithm_would_ignore_is_refused(overrides, expected):
@@ -165,3 +165,22 @@ def test_algos_imports_torch_and_itself_only():
                 ok = (module.split(".")[0] in ALLOWED_ROOTS or module.startswith("rltune.algos")
                       or module == "rltune.metrics.types")  # metrics as data: Max, Sum
                 assert ok, f"{path.name}:{node.lineno} imports {module}"
+
+
+def test_a_registered_entry_may_read_any_algo_key(monkeypatch):
+    # its own functions may read what the built-in ones do not (here adv_scale through
+    # GRPO's kwargs with another estimator, and beta in a loss of its own)
+    from rltune.algos import group_baseline
+    from rltune.algos.registry import group_advantage_kwargs, online_algorithm
+
+    entry = online_algorithm("mine", group_baseline, advantage_kwargs=group_advantage_kwargs)
+    monkeypatch.setitem(ALGORITHMS, "mine", entry)
+    assert problems("algo.name=mine", "algo.adv_scale=none", "algo.beta=0.5", REWARD) == []
+    assert problems("algo.name=mine", "model.critic_path=/m", REWARD) == [
+        "model.critic_path does not apply to algo.name=mine (it has no critic); remove it"]
+
+
+def test_critic_warmup_without_a_critic_says_what_it_would_do():
+    assert problems("algo.name=grpo", "algo.critic_warmup_steps=3", REWARD) == [
+        "algo.critic_warmup_steps=3 does not apply to algo.name=grpo (it has no critic to warm up: "
+        "the policy would not learn for those steps); remove it"]

@@ -154,12 +154,9 @@ def test_a_field_named_like_a_reward_argument_is_refused_where_rewards_read_it(t
     cfg = DataConfig(prompt_field="question", completion_field="target")
     with pytest.raises(DataError, match=rf"d.jsonl: row 1: the field '{field}' would reach the reward "
                                         rf"functions as a keyword.*data.prompt_field: {field}"):
-        load_prompts(str(src), cfg, chatml_tok)
-    # SFT's rows are not scored by rewards: the field is only meta there
-    sft_src = _write_jsonl(tmp_path / "s.jsonl", [{"question": "1+1=", field: "x", "target": "2"}])
-    assert load_prompts(str(sft_src), cfg, chatml_tok, with_completion=True).prompts[0].meta[field] == (
-        "2" if field == "completion" else "x"
-    )
+        load_prompts(str(src), cfg, chatml_tok, fields_are_keywords=True)
+    # without per-sample rewards (batched ones read prompts[i].meta, environments, SFT) it is only meta
+    assert load_prompts(str(src), cfg, chatml_tok).prompts[0].meta[field] == "x"
 
 
 def test_prompt_of_exactly_max_tokens_is_kept(tmp_path, chatml_tok):

@@ -109,3 +109,14 @@ def test_a_resumed_writer_warns_of_a_dropped_last_line(tmp_path: Path, capsys) -
     assert writer.resume_note is not None and writer.resume_note.startswith(f"{path}:4: the last line was cut short")
     assert capsys.readouterr().err == f"warning: {writer.resume_note}\n"
     assert JsonlWriter(path, resume_after_step=4).resume_note is None
+
+
+def test_check_only_reads_the_file_the_same_way_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    assert truncate_after_step(path, 1, check_only=True) is None
+    assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    path.write_bytes(b'{"step": 1}\n[1]\n{"step": 3}\n')
+    with pytest.raises(ResumeError, match=r"metrics\.jsonl:2: "):
+        truncate_after_step(path, 1, check_only=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

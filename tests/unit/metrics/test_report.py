@@ -225,6 +225,9 @@ def test_an_out_dir_with_other_files_or_an_earlier_report_is_written(run_dir, tm
     assert not (out / "kl.png").exists()
     assert (out / "notes.txt").read_text() == "mine"
     assert not is_report_page(out / "notes.txt") and not is_report_page(out / "nothing.html")
+    # a report written before the tag: known by its title
+    index.write_text(page.decode().replace(GENERATOR, ""))
+    assert is_report_page(index) and write_report(run_dir, out) == index
 
 
 def test_the_default_folder_is_the_reports_own(run_dir):

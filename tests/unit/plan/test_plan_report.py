@@ -142,8 +142,9 @@ def test_the_input_config_is_never_written_over(tmp_path):
     base = tmp_path / "in.yaml"
     text = "# my notes\nname: x\nmodel: {path: 'builtin:tiny'}\n"
     base.write_text(text)
+    (tmp_path / "sub").mkdir()
     with pytest.raises(PlanError, match=r"--write .*in.yaml is the input config: writing it would replace the file"):
-        write_config(base, BEST, tmp_path / "." / "in.yaml", Cluster(gpus=12))
+        write_config(base, BEST, tmp_path / "sub" / ".." / "in.yaml", Cluster(gpus=12))  # another spelling
     assert base.read_text() == text
 
 

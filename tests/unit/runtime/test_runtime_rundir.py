@@ -3,6 +3,7 @@ checks on the run directory, without training: a saved ``config.yaml`` and a new
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,24 @@ def test_resume_auto_without_a_checkpoint_moves_recorded_steps_aside(tmp_path):
                     f"moved what its earlier attempt wrote aside to {aside}; starting from step 0")
     assert not run_dir.exists() and (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (aside / "checkpoints" / "step-1").is_dir()
+
+
+def test_a_key_the_algorithm_never_read_may_be_dropped_on_resume(tmp_path):
+    """A run saved with a key its algorithm ignores (accepted then, refused now) resumes
+    without it: the value was never part of what the run means."""
+    run_dir = _saved(tmp_path, "algo.critic_lr=0.003")  # grpo has no critic
+    _resume(tmp_path, run_dir)
+    with pytest.raises(ConfigError, match=r"train.seed: 0 -> 3"):  # what it reads still counts
+        _resume(tmp_path, run_dir, "train.seed=3")
+
+
+def test_the_recorded_config_is_compared_after_the_same_json_round_trip(tmp_path):
+    from rltune.runtime.rundir import check_recorded_meaning
+
+    # a nested int dict key and a date come back from JSON as strings: still the same run
+    cfg = load_config(None, [*BASE, "reward.0.kwargs={m: {1: 0.5}, when: 2024-01-01}"])
+    assert cfg.reward[0].kwargs == {"m": {1: 0.5}, "when": datetime.date(2024, 1, 1)}
+    check_recorded_meaning(cfg, cfg.model_dump(mode="json"), "checkpoint.resume=auto", tmp_path)
+    other = load_config(None, [*BASE, "reward.0.kwargs={m: {1: 0.7}, when: 2024-01-01}"])
+    with pytest.raises(ConfigError, match=r"differs from the one recorded in checkpoint .*reward.0.kwargs"):
+        check_recorded_meaning(other, cfg.model_dump(mode="json"), "checkpoint.resume=auto", tmp_path)
