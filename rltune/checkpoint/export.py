@@ -17,6 +17,7 @@ from rltune.config import load_config
 from rltune.models.load import held_transformers_warnings, load_model, load_tokenizer, resolve_model
 from rltune.models.lora import apply_lora, is_lora, merged_copy
 from rltune.models.reward_model import load_reward_model
+from rltune.models.routing import install_routing
 
 CHECKPOINTS = "checkpoints"
 """Where a run keeps its checkpoints: ``RUN/checkpoints/step-N``."""
@@ -228,6 +229,8 @@ def _run_model(cfg, model_dir: str):
             model = load_reward_model(model_dir, seed=cfg.train.seed, **common)
     else:
         model = load_model(model_dir, **common)
+        # an MoE policy's routing bias is part of its state, as training installs it
+        install_routing(model, aux_free_bias=cfg.model.moe.aux_free_bias)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora, language_model_only=cfg.model.freeze_vision)
     return model

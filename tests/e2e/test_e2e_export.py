@@ -209,3 +209,14 @@ def test_weights_that_do_not_fit_the_config(capsys, sft_run, tmp_path):
     err = fails(capsys, ["export", str(run_dir), str(tmp_path / "out")])
     assert f"{run_dir / 'checkpoints' / 'step-2'}: the saved model weights do not fit the model" in err
     assert "unset `model.lora` as in the run that saved it" in err
+
+
+def test_an_moe_run_with_a_routing_bias_exports_what_its_final_export_holds(tmp_path):
+    """The aux-free routing bias is part of an MoE policy's state as training installs it:
+    the export installs it too, and writes the very file of the run's own final export."""
+    cfg = _config(tmp_path / "runs", "model.path=builtin:tiny-moe", "model.moe.aux_free_bias=0.01",
+                  "train.steps=1", "checkpoint.final=true")
+    run = run_local(cfg)
+    out = tmp_path / "out"
+    assert main(["export", str(run.run_dir), str(out)]) == 0
+    assert (out / "model.safetensors").read_bytes() == (run.run_dir / "final" / "model.safetensors").read_bytes()
