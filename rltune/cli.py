@@ -29,6 +29,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from rltune.metrics.report import ReportError
     from rltune.metrics.sinks import ResumeError
     from rltune.models.load import ModelLoadError
+    from rltune.models.routing import RoutingError
     from rltune.models.safetensors_io import TensorFileError
     from rltune.parallel.layout import LayoutError
     from rltune.plan.errors import PlanError
@@ -40,6 +41,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, NonFiniteError,
         ExportError, EnvLoadError, SinkError, DashboardError, ReportError, TensorFileError,
         RewardErrorLimit, LayoutError, PrecisionError, PlanError, MemorySettingError, ResumeError,
+        RoutingError,
     )
 
 

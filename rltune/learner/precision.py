@@ -92,6 +92,9 @@ def check_precision(cfg: Any, layout: Any = None) -> None:
     """Raise :class:`PrecisionError` when the run config ``cfg`` asks for a precision that
     cannot run (checked before any model is loaded)."""
     problems = precision_problems(cfg.train.precision, layout)
+    if cfg.train.precision == "fp16" and cfg.model.dtype == "bfloat16":
+        problems.append("train.precision=fp16 with model.dtype=bfloat16: fp16 autocast and its loss scaling need "
+                        "float32 master weights; set model.dtype=float32, or train.precision=bf16")
     if problems:
         raise PrecisionError("; ".join(problems))
 

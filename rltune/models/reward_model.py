@@ -53,13 +53,15 @@ SCORE_HEAD = "score"
 
 
 def load_reward_model(
-    path: str, *, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False
+    path: str, *, dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False, new_head: bool = True
 ) -> PreTrainedModel:
     """The reward model in the local directory ``path``, one output per sequence.
 
-    ``path`` holds a saved reward model (its head is loaded) or any causal LM of an
-    architecture with a sequence-classification class (its decoder is loaded and the head
-    is new: :func:`init_score_head` with ``seed``). Any other missing or mismatched weight
+    ``path`` holds a saved reward model (its head is loaded) or, with ``new_head`` (a
+    reward model about to be trained), any causal LM of an architecture with a
+    sequence-classification class (its decoder is loaded and the head is new:
+    :func:`init_score_head` with ``seed``); without it, a directory with no trained head
+    is an error, since its scores would be noise. Any other missing or mismatched weight
     is an error, as in :func:`~rltune.models.load.load_model`.
     """
     if dtype not in DTYPES:
@@ -74,7 +76,7 @@ def load_reward_model(
         )
     with held_transformers_warnings() as held:
         model, info = _from_pretrained(directory, dtype=dtype, trust_remote_code=trust_remote_code)
-        _check_head(model, info, directory, seed=seed)
+        _check_head(model, info, directory, seed=seed, new_head=new_head)
         held.release()
     return model
 
@@ -93,7 +95,7 @@ def _from_pretrained(directory, *, dtype: str, trust_remote_code: bool):
         raise hf_load_error(err, directory, "a reward model") from err
 
 
-def _check_head(model: PreTrainedModel, info: dict, directory, *, seed: int) -> None:
+def _check_head(model: PreTrainedModel, info: dict, directory, *, seed: int, new_head: bool) -> None:
     head = getattr(model, SCORE_HEAD, None)
     if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
         raise ModelLoadError(
@@ -107,6 +109,11 @@ def _check_head(model: PreTrainedModel, info: dict, directory, *, seed: int) -> 
         raise ModelLoadError(
             f"the weights in {directory} do not fit a reward model of its config: missing or "
             f"mismatched {bad[:5]}{' ...' if len(bad) > 5 else ''}"
+        )
+    if missing and not new_head:
+        raise ModelLoadError(
+            f"{directory} holds no trained `{SCORE_HEAD}` head (a causal LM, not a reward model): its scores "
+            f"would be a random head's; train one with algo.name=reward_model and `rltune export` it"
         )
     if missing:  # a causal LM's directory: the head is new
         init_score_head(model, seed=seed)

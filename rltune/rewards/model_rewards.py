@@ -121,7 +121,7 @@ def clear_cache() -> None:
 
 def _load(path: str, *, dtype: str, device: str, trust_remote_code: bool) -> LoadedRewardModel:
     """The reward model and its tokenizer from ``path``, in eval mode on ``device``."""
-    model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code, new_head=False)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     try:
         model = model.to(device).eval()

@@ -8,6 +8,7 @@ critic), so every random draw at start-up happens in the same order.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -69,6 +70,8 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir, roles.device) if is_preference(cfg) else None
     data = _run_data(cfg, inputs, tokenizer, processor, preference)
+    if inputs.algorithm.online and inputs.make_env is None:
+        _check_positions(cfg, model_dir, data.train_prompts)
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
@@ -81,6 +84,29 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
         evaluation=_evaluation(cfg, data, run_roles, preference),
         progress=Progress(streams=roles.streams({"sampling": sampling, "minibatch": minibatch}), minibatch_rng=minibatch),
     )
+
+
+def _check_positions(cfg: Config, model_dir: str, prompts: list) -> None:
+    """A ConfigError when the longest prompt and ``rollout.max_new_tokens`` need more
+    positions than the model has (``max_position_embeddings``; a model with
+    ``rope_scaling`` may go past it and is not judged): generation would fail or, on the
+    CPU's decoder that reserves its cache up front, exhaust memory."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # the model loaded from elsewhere (a remote-code model's own files)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    limit = text.get("max_position_embeddings")
+    if not isinstance(limit, int) or text.get("rope_scaling") or config.get("rope_scaling"):
+        return
+    longest = max((len(p.input_ids) for p in prompts if p.input_ids is not None), default=0)
+    if longest + cfg.rollout.max_new_tokens > limit:
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} after prompts of up to {longest} tokens needs "
+            f"{longest + cfg.rollout.max_new_tokens} positions, but the model has {limit} "
+            f"(max_position_embeddings in {Path(model_dir) / 'config.json'}); lower rollout.max_new_tokens "
+            f"or data.max_prompt_tokens"
+        )
 
 
 def _thread_shares(cfg: Config) -> tuple[int | None, int | None]:

@@ -242,6 +242,13 @@ def test_a_resume_with_an_unreadable_metrics_line_changes_no_file(capsys, config
     assert (metrics.read_bytes(), samples.read_bytes()) == before
 
 
+def test_more_new_tokens_than_the_model_has_positions_is_refused(capsys, config_file):
+    # the tiny model has 512 positions; 100000 new tokens used to exhaust memory in the decoder's cache
+    err = " ".join(fails(capsys, ["train", str(config_file()), "rollout.max_new_tokens=100000"]).split())
+    assert "rollout.max_new_tokens=100000 after prompts of up to " in err
+    assert "but the model has 512 (max_position_embeddings in " in err
+
+
 # --------------------------------------------------------------------------- a good run
 
 

@@ -152,6 +152,14 @@ def test_fp8_is_refused_on_cpu_before_the_model_loads(tiny_model):
     assert any(type(m) is torch.nn.Linear for m in model.modules())  # nothing converted
 
 
+def test_fp16_over_bf16_weights_is_refused_before_the_model_loads():
+    # autocast to fp16 over bf16 weights ended in an autocast RuntimeError after a step
+    cfg = load_config(None, ["model.path=builtin:tiny", "train.precision=fp16", "model.dtype=bfloat16"])
+    with pytest.raises(PrecisionError, match="train.precision=fp16 with model.dtype=bfloat16: .*float32 master weights"):
+        check_precision(cfg)
+    check_precision(load_config(None, ["model.path=builtin:tiny", "train.precision=bf16", "model.dtype=bfloat16"]))
+
+
 def test_fp16_through_a_pipeline_is_refused():
     (problem,) = precision_problems("fp16", Layout(pp=2, dp_shard=1))
     assert "train.parallel.pp=2" in problem and "bf16" in problem

@@ -124,6 +124,14 @@ def test_saved_reward_model_loads_back_and_scores_the_same(tmp_path, tiny_dir: s
     assert model.training  # score_completions restores the mode
 
 
+def test_a_scorer_needs_a_trained_head(tmp_path, tiny_dir: str) -> None:
+    # a causal LM's directory would score with a random head: refused where a reward is read
+    with pytest.raises(ModelLoadError, match=r"holds no trained `score` head \(a causal LM, not a reward model\)"):
+        load_reward_model(tiny_dir, new_head=False)
+    load_reward_model(tiny_dir).save_pretrained(tmp_path / "rm")
+    assert load_reward_model(str(tmp_path / "rm"), new_head=False).score.out_features == 1
+
+
 def test_load_errors(tmp_path, tiny_dir: str) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_reward_model(str(tmp_path / "nope"))
