@@ -126,7 +126,7 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
     ``algo.critic_warmup_steps`` it is the only one that steps. Returns the metrics of the
     updates combined, each by its reduction (critic metrics prefixed ``critic/``)."""
     a = run.cfg.algo
-    if len(batch) == 0:
+    if len(batch) == 0 or batch.loss_mask.shape[1] == 0:  # no rows, or no completion token in any (all failed)
         return {keys.LEARN_EMPTY_BATCH: Sum(1.0)}
     critic, learner = run.roles.critic, run.roles.learner
     updates = Aggregator()

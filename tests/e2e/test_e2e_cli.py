@@ -249,6 +249,18 @@ def test_more_new_tokens_than_the_model_has_positions_is_refused(capsys, config_
     assert "but the model has 512 (max_position_embeddings in " in err
 
 
+def test_a_step_whose_every_episode_failed_learns_nothing_and_the_run_goes_on(capsys, config_file, tmp_path):
+    """An environment whose reset fails for every episode leaves rows without a completion
+    token: the step is an empty batch (counted), not a crash in the learner."""
+    (tmp_path / "bad_env.py").write_text(
+        "class BadReset:\n    def reset(self, prompt):\n        raise RuntimeError('backend down')\n"
+        "    def step(self, action):\n        raise AssertionError('never reached')\n")
+    _succeeds(capsys, ["train", str(config_file()), f"env.name={tmp_path / 'bad_env.py'}:BadReset", "reward=[]",
+                       "train.max_reward_error_steps=0"])
+    metrics = _jsonl(tmp_path / "runs" / "cli-run" / "metrics.jsonl")
+    assert [m["learn/empty_batch"] for m in metrics] == [1.0, 1.0]
+
+
 # --------------------------------------------------------------------------- a good run
 
 
