@@ -24,6 +24,7 @@ from typing import Any
 
 from rltune.data.records import Prompt
 from rltune.envs.base import StepResult
+from rltune.envs.retrieval.store import check_k
 from rltune.envs.tool_format import ToolCallError, parse_tool_call
 from rltune.rewards.keyed_cache import KeyedCache
 
@@ -48,6 +49,10 @@ class ToolEnv:
     ) -> None:
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
+        if isinstance(answer_tools, str):  # a bare name would be read letter by letter
+            raise ValueError(f"answer_tools must be a list of tool names, e.g. [{answer_tools}], not a string")
+        if isinstance(max_result_chars, bool) or not isinstance(max_result_chars, int) or max_result_chars < 1:
+            raise ValueError(f"max_result_chars must be an integer >= 1, got {max_result_chars!r}")
         unknown = sorted(set(answer_tools) - set(tools))
         if unknown:
             raise ValueError(f"answer_tools {unknown} are not among the tools {sorted(tools)}")
@@ -185,6 +190,9 @@ def tools_env(
     by all episodes); ``python`` the sandbox settings of :func:`python_tool`;
     ``answer_tools`` as in :class:`ToolEnv`."""
     known = {"calculator", "python", "search"}
+    if isinstance(tools, str):  # a bare name would be read letter by letter
+        raise ValueError(f"env tools: `tools` must be a list of tool names, e.g. [{tools}], not a string")
+    check_k(k)  # a bad k would reach the model as every search's error
     unknown = sorted(set(tools) - known)
     if unknown:
         raise ValueError(f"env tools: unknown tools {unknown}; built in are {sorted(known)}")

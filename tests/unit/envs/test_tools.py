@@ -130,3 +130,20 @@ def test_an_answer_tool_ends_the_episode_with_its_result() -> None:
     assert result.done and result.observation == "42"
     with pytest.raises(ValueError, match="answer_tools \\['search'\\] are not among the tools"):
         ToolEnv({"calculator": calculator}, answer_tools=["search"])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tools": "calculator"}, r"`tools` must be a list of tool names, e.g. \[calculator\], not a string"),
+    ({"answer_tools": "calculator"}, r"answer_tools must be a list of tool names"),
+    ({"max_result_chars": -5}, r"max_result_chars must be an integer >= 1, got -5"),
+    ({"max_result_chars": 0}, r"max_result_chars must be an integer >= 1, got 0"),
+    ({"k": 0}, r"k must be a positive int, got 0"),
+    ({"k": "2"}, r"k must be a positive int, got '2'"),
+])
+def test_tool_settings_are_checked_when_the_environment_is_built(kwargs, message):
+    # each used to reach the episodes: letters read as tool names, results cut from the end,
+    # or every search answering the model with the config's error
+    from rltune.envs.tools import tools_env
+
+    with pytest.raises(ValueError, match=message):
+        tools_env(**kwargs)
