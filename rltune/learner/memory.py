@@ -92,6 +92,11 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
             "set train.activation_checkpointing: none for this model"
         )
     chosen = checkpointed_indices(len(blocks), mode, every)
+    if not chosen:  # selective, every past the block count: the setting would do nothing
+        raise MemorySettingError(
+            f"train.activation_checkpointing=selective with train.checkpoint_every={every} checkpoints none of "
+            f"{type(model).__name__}'s {len(blocks)} blocks; set checkpoint_every to at most {len(blocks)}"
+        )
     for index in chosen:
         block = blocks[index]
         if "_rltune_checkpointed" not in block.__dict__:

@@ -275,6 +275,15 @@ def test_a_model_without_transformer_blocks_is_refused() -> None:
         apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
 
 
+def test_selective_checkpointing_that_selects_no_block_is_refused(tiny_model) -> None:
+    model = copy.deepcopy(tiny_model)
+    blocks = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"checkpoint_every={blocks + 1} checkpoints none of .* {blocks} blocks; "
+                                         rf"set checkpoint_every to at most {blocks}"):
+        apply_activation_checkpointing(model, "selective", blocks + 1)
+    assert apply_activation_checkpointing(model, "selective", blocks) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_offloaded_optimizer_on_a_gpu_equals_plain_adamw_and_resumes(tiny_model) -> None:
     """On a GPU: three learner steps with ``offload: optimizer`` take the plain learner's
