@@ -78,3 +78,13 @@ def code_tests(
     except SandboxError as exc:
         raise SandboxError(f"prompt {prompt.id!r}: {exc}") from exc
     return report.pass_rate
+
+
+def _check_code_tests(kwargs: dict) -> None:
+    for key in ("timeout_s", "memory_mb"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"kwargs.{key} must be a number > 0, got {value!r}")
+
+
+code_tests.check_kwargs = _check_code_tests  # type: ignore[attr-defined]

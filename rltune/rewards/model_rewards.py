@@ -177,3 +177,12 @@ def _check_lengths(prompts: Sequence[Prompt], completions: Sequence[str]) -> Non
         raise ValueError(
             f"reward_model: {len(prompts)} prompts but {len(completions)} completions"
         )
+
+
+def _check_reward_model(kwargs: dict) -> None:
+    path = kwargs.get("path")
+    if isinstance(path, str) and not path.startswith("builtin:") and not Path(path).is_dir():
+        raise ValueError(f"kwargs.path {path!r} is not a directory (a reward model saved with save_pretrained)")
+
+
+reward_model.check_kwargs = _check_reward_model  # type: ignore[attr-defined]

@@ -277,3 +277,12 @@ def _check_settings(*, action: str, penalty: float) -> None:
         math.isfinite(penalty) and penalty >= 0
     ):
         raise ValueError(f"safety: penalty must be a finite number >= 0, got {penalty!r}")
+
+
+def _check_safety(kwargs: dict) -> None:
+    action = kwargs.get("action", "penalize")
+    if action not in ("penalize", "drop"):
+        raise ValueError(f"kwargs.action must be penalize or drop, got {action!r}")
+
+
+safety.check_kwargs = _check_safety  # type: ignore[attr-defined]

@@ -90,8 +90,7 @@ def build_reward_fns(
             )
         if not math.isfinite(config.weight):
             raise RewardLoadError(f"reward {name!r}: weight {config.weight} is not finite")
-        if not is_batched(fn):
-            _check_kwargs(fn, dict(config.kwargs), name=name)
+        _check_kwargs(fn, dict(config.kwargs), name=name)
         specs_by_name[name] = config.fn
         reward_fns.append(
             RewardFn(
@@ -182,15 +181,32 @@ def _check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str) 
     if reserved:
         raise RewardLoadError(f"reward {name!r}: kwargs may not be named {reserved}")
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return
+        params = None
+    if params is not None:
+        _check_kwarg_names(params, kwargs, batched=is_batched(fn), name=name)
+    check = getattr(fn, "check_kwargs", None)  # a function's own check of its config values
+    if check is not None:
+        try:
+            check(kwargs)
+        except ValueError as err:
+            raise RewardLoadError(f"reward {name!r}: {err}") from None
+
+
+def _check_kwarg_names(params: list[inspect.Parameter], kwargs: dict[str, Any], *, batched: bool, name: str) -> None:
+    if batched:  # it gets the config's kwargs only: a required one missing fails every call
+        missing = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
+                   and p.default is inspect.Parameter.empty and p.name not in kwargs]
+        if missing:
+            raise RewardLoadError(f"reward {name!r}: kwargs {missing} are required (a batched reward gets "
+                                  "only the config's kwargs, no dataset fields)")
     # ``**_`` takes the dataset's other fields and ignores them: the config's kwargs must
     # still be named parameters (a typo would be ignored too)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD and p.name != "_" for p in params):
         return
     accepted = {p.name for p in params if p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_KEYWORD)}
-    accepted -= {"prompt", "completion"}
+    accepted -= {"prompt", "completion", "prompts", "completions"}
     unknown = sorted(kwargs.keys() - accepted)
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(accepted), n=1)
@@ -199,9 +215,3 @@ def _check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str) 
             f"(it accepts {sorted(accepted)})"
             + (f"; did you mean {close[0]!r}?" if close else "; add `**meta` to its signature to accept any")
         )
-    check = getattr(fn, "check_kwargs", None)  # a function's own check of its config values
-    if check is not None:
-        try:
-            check(kwargs)
-        except ValueError as err:
-            raise RewardLoadError(f"reward {name!r}: {err}") from None

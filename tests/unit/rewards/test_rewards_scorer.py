@@ -388,6 +388,20 @@ def test_a_builtins_kwargs_are_checked_when_the_config_loads() -> None:
     assert [rf.name for rf in build_reward_fns([ok])] == ["length_penalty"]
 
 
+@pytest.mark.parametrize(("fn", "kwargs", "message"), [
+    # a batched reward gets only the config's kwargs: a required one missing would fail every call
+    ("builtin:llm_judge", {"model": "m"}, r"reward 'llm_judge': kwargs \['base_url'\] are required"),
+    ("builtin:reward_model", {}, r"reward 'reward_model': kwargs \['path'\] are required"),
+    ("builtin:reward_model", {"path": "/nowhere/rm"}, r"kwargs.path '/nowhere/rm' is not a directory"),
+    ("builtin:safety", {"action": "penalise"}, r"kwargs.action must be penalize or drop, got 'penalise'"),
+    ("builtin:code_tests", {"timeout_s": 0}, r"kwargs.timeout_s must be a number > 0, got 0"),
+    ("builtin:code_tests", {"memory_mb": -1}, r"kwargs.memory_mb must be a number > 0, got -1"),
+])
+def test_a_builtin_rewards_settings_are_checked_when_the_config_loads(fn, kwargs, message) -> None:
+    with pytest.raises(RewardLoadError, match=message):
+        build_reward_fns([RewardFnConfig(fn=fn, kwargs=kwargs)])
+
+
 def test_lambda_is_named_by_its_spec_and_weights_must_be_finite(tmp_path: Path) -> None:
     path = _user_file(tmp_path)
     assert build_reward_fns([RewardFnConfig(fn=f"{path}:lam")])[0].name == "lam"
