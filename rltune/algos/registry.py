@@ -199,6 +199,10 @@ def _reads_preference_key(key: str) -> Callable[[Algorithm, Any], str | None]:
     return reads
 
 
+def _grpo_advantages(algorithm: Algorithm, a: Any) -> str | None:
+    return None if algorithm.advantage_kwargs is group_advantage_kwargs else "its advantages are not GRPO's"
+
+
 def _online(algorithm: Algorithm, a: Any) -> str | None:
     return None if algorithm.online else "it learns from a fixed dataset and does not generate"
 
@@ -207,8 +211,8 @@ def _online(algorithm: Algorithm, a: Any) -> str | None:
 # it, else why not. ``algo.epochs`` and ``algo.minibatches`` are read by every algorithm.
 _KEY_USE: dict[str, Callable[[Algorithm, Any], str | None]] = {
     "group_size": _online,
-    "adv_scale": lambda al, a: None if al.advantage_kwargs is group_advantage_kwargs else "its advantages are not GRPO's",
-    "adv_eps": lambda al, a: None if al.advantage_kwargs is group_advantage_kwargs else "its advantages are not GRPO's",
+    "adv_scale": _grpo_advantages,
+    "adv_eps": _grpo_advantages,
     "clip_low": _online,
     "clip_high": _online,
     "dual_clip": _online,

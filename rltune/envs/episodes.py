@@ -229,10 +229,11 @@ class EpisodeGenerator:
 
 
 def _describe(where: str, exc: Exception) -> str:
-    message = str(exc)
-    if len(message) > _MAX_SHOWN:
-        message = message[: _MAX_SHOWN - 3] + "..."
-    return f"env: {where} raised {type(exc).__name__}: {message}"
+    return f"env: {where} raised {type(exc).__name__}: {_cut(str(exc))}"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
 def _returned(where: str, what: str, value: Any, expected: str) -> str:
@@ -241,10 +242,8 @@ def _returned(where: str, what: str, value: Any, expected: str) -> str:
     if value is None:
         return f"env: {where} returned {what}None (expected {expected})"
     try:
-        shown = repr(value)
+        shown = _cut(repr(value))
     except Exception:  # a repr that fails (an int past Python's digit limit, a broken class)
         shown = "(no repr)"
-    if len(shown) > _MAX_SHOWN:
-        shown = shown[: _MAX_SHOWN - 3] + "..."
     return f"env: {where} returned {what}{type(value).__name__} {shown} (expected {expected})"
 
