@@ -19,6 +19,12 @@ next to text parts ``{"type": "text", "text": "..."}``. A REF is
 URLs (``http://``, ``https://``) are refused: a run reads no network; download the images
 and refer to the files.
 
+A row whose images sit in another field named like one (``image``, ``img``, ``pictures``,
+... in any case; :data:`IMAGE_FIELD_NAMES`) would train text-only: :func:`stray_images`
+finds such a field when its value looks like images (image paths, data URIs, encoded
+image bytes, ``{"bytes", "path"}``, PIL images, or a list of them); any other value, such
+as a caption under ``image``, is left to the reward functions.
+
 Each image is read once into a :class:`~rltune.data.records.PromptImage` (the encoded file
 as read) and decoded with Pillow to check that it is an image within the limits
 (``data.max_image_bytes`` for the encoded file, ``data.max_image_pixels`` for width x
@@ -33,6 +39,7 @@ import base64
 import binascii
 import hashlib
 import io
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,11 @@ IMAGE_PART_TYPES = ("image", "image_url")
 _IMAGE_KEYS = ("image", "url", "path", "base64")
 """The keys of an ``{"type": "image"}`` part that hold its reference (HF's order)."""
 _CHECK_HINT = "check the image or remove the row"
+IMAGE_FIELD_NAMES = frozenset({"image", "images", "img", "imgs", "image_path", "image_paths",
+                               "picture", "pictures", "photo", "photos"})
+"""Field names (lower case) that say a field holds a row's images."""
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+_IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")
 
 
 class ImageError(ValueError):
@@ -71,6 +83,52 @@ def split_parts(content: list[Any], where: str) -> tuple[list[dict[str, str]], l
         else:
             raise ImageError(f"part {k} of {where} is not a text or image part: {_short(part)}", hint)
     return parts, refs
+
+
+def stray_images(fields: Mapping[str, Any], images_field: str) -> str | None:
+    """What is wrong when one of a row's ``fields`` other than ``images_field`` is named
+    like an images field and holds what looks like images (module docstring); else None."""
+    for key, value in fields.items():
+        if (isinstance(key, str) and key != images_field and key.lower() in IMAGE_FIELD_NAMES
+                and looks_like_images(value)):
+            return (
+                f"the field {key!r} holds images ({_describe(value)}), but data.images_field is "
+                f"{images_field!r}, so they would be ignored; set "
+                f"data.images_field: {key}, or rename the field to {images_field!r}"
+            )
+    return None
+
+
+def looks_like_images(value: Any) -> bool:
+    """Whether ``value`` is an image reference or a non-empty list of them: a path or URL
+    with an image file's extension, a data URI, encoded image bytes, ``{"bytes", "path"}``
+    or a PIL image. Checks no file."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_looks_like_image(v) for v in value)
+    return _looks_like_image(value)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"{len(value)}, the first {_describe(value[0])}"
+    if isinstance(value, Mapping):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"{len(value)} bytes"
+    return _short(value, 60) if isinstance(value, str) else type(value).__name__
+
+
+def _looks_like_image(value: Any) -> bool:
+    if isinstance(value, str):
+        text = value.strip().lower()
+        return text.startswith("data:image/") or (text.endswith(_IMAGE_SUFFIXES) and "\n" not in text)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        head = bytes(value[:12])
+        return head.startswith(_IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:] == b"WEBP")
+    if isinstance(value, Mapping):  # datasets' Image feature
+        return bool(value) and set(value) <= {"bytes", "path"} and any(value.values())
+    pil = sys.modules.get("PIL.Image")  # a PIL image exists only once Pillow is imported
+    return pil is not None and isinstance(value, pil.Image)
 
 
 def read_image(

@@ -41,7 +41,10 @@ fills ``Prompt.vision``; ``data.max_prompt_tokens`` counts its image tokens. Wit
 processor, rows without images render through it too (no vision inputs). Rows with images
 and no processor (a text-only model) stop loading whatever ``data.on_bad_row`` says, as
 does ``data.chat_template: false``, which has no way to place image tokens; an image that
-is missing, unreadable or too large is a bad row.
+is missing, unreadable or too large is a bad row. Images that would be ignored stop
+loading too: a row without images that holds some in another field named like an images
+field (``image``, ``img``, ...; :func:`rltune.data.images.stray_images`), or a
+``data.images_field`` other than the default that no row of the source has.
 
 Ids are the ``data.id_field`` value as a string, or ``NAME:ROW`` (NAME the file's base
 name, or ``TASK/SPLIT`` for built-ins; ROW 1-based). A bad row stops loading with a
@@ -59,7 +62,7 @@ import torch
 from jinja2 import TemplateError
 
 from rltune.data.chat import encode_completion, encode_prompt, encode_vl_prompt, with_system_prompt
-from rltune.data.images import ImageError, decode_image, read_image, split_parts
+from rltune.data.images import ImageError, decode_image, read_image, split_parts, stray_images
 from rltune.data.records import Prompt, PromptImage, VisionInputs
 from rltune.data.sources import DataError, RawRow, image_dir, open_source
 
@@ -150,7 +153,9 @@ def load_prompts(
     skip_examples: list[str] = []
     skipped = 0
     seen_ids: dict[str, int] = {}
+    fields: set[str] = set()  # every field name of the source
     for raw in rows:
+        fields.update(raw.fields or ())
         try:
             prompt = _row_to_prompt(
                 raw, name, render, with_completion=with_completion, with_pairs=with_pairs,
@@ -166,6 +171,7 @@ def load_prompts(
                 skip_examples.append(message)
             continue
         prompts.append(prompt)
+    _check_images_field(source, cfg, fields)
     if not prompts:
         detail = f"all {skipped} rows were bad, e.g. {skip_examples[0]}" if skipped else None
         raise DataError(f"{source}: no usable prompts ({detail or 'it has no rows'})")
@@ -195,12 +201,10 @@ def _row_to_prompt(
     if with_pairs:
         not_meta |= {cfg.chosen_field, cfg.rejected_field}
     meta = {k: v for k, v in row.items() if k not in not_meta}
-    if fields_are_keywords and (taken := sorted(_REWARD_ARGS & meta.keys())):
-        raise _BadRow(
-            f"the field {taken[0]!r} would reach the reward functions as a keyword, but "
-            f"`{taken[0]}` is already their argument (fn(prompt, completion, **fields))",
-            f"rename the field, or make it the prompt with data.prompt_field: {taken[0]}",
-        )
+    if not refs and (stray := stray_images(meta, cfg.images_field)):
+        raise DataError(f"{render.source}: row {raw.number}: {stray}")
+    if fields_are_keywords:
+        _check_reward_args(meta)
     if with_pairs:
         meta["chosen"] = _response_text(row, cfg.chosen_field, asked, "data.chosen_field")
         meta["rejected"] = _response_text(row, cfg.rejected_field, asked, "data.rejected_field")
@@ -235,6 +239,27 @@ def _row_to_prompt(
                 "remove the row or check data.chosen_field / data.rejected_field",
             )
     return prompt
+
+
+def _check_reward_args(meta: dict[str, Any]) -> None:
+    if taken := sorted(_REWARD_ARGS & meta.keys()):
+        raise _BadRow(
+            f"the field {taken[0]!r} would reach the reward functions as a keyword, but "
+            f"`{taken[0]}` is already their argument (fn(prompt, completion, **fields))",
+            f"rename the field, or make it the prompt with data.prompt_field: {taken[0]}",
+        )
+
+
+def _check_images_field(source: str, cfg: DataConfig, fields: set[str]) -> None:
+    """Refuse an images field, set to other than the default, that no row has: every prompt
+    would be text-only. ``fields``: the field names of the rows."""
+    default = type(cfg).model_fields["images_field"].default
+    if fields and cfg.images_field != default and cfg.images_field not in fields:
+        raise DataError(
+            f"{source}: no row has the images field {cfg.images_field!r} (data.images_field), so "
+            f"no prompt would have images; the rows have fields {sorted(fields)}: set "
+            f"data.images_field to the one with the images, or remove it for text-only data"
+        )
 
 
 def _parse_prompt_field(
