@@ -24,7 +24,11 @@ from typing import Any
 from rltune.data.records import Prompt
 from rltune.rewards.contract import SampleDropped, is_batched
 
-_MAX_SHOWN = 80  # characters of a bad return value or exception message kept in errors
+_MAX_SHOWN = 80  # characters of a bad return value's repr kept in its error
+_MAX_MESSAGE = 2000
+"""Characters of an exception's message kept in a sample's error: enough for the part of
+a long message that says what went wrong (the keys a KeyError lists, an assertion's
+text), bounded so that one pathological message cannot bloat every sample's record."""
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
@@ -214,9 +218,11 @@ def _batch_outcomes(rf: RewardFn, values: Any, n: int, seconds: float) -> list[O
 
 
 def error_outcome(rf: RewardFn, exc: BaseException, seconds: float) -> Outcome:
+    """An exception as an outcome: ``NAME: TYPE: MESSAGE`` (``NAME: dropped: REASON`` for
+    a drop), the message whole up to :data:`_MAX_MESSAGE` characters."""
     if isinstance(exc, SampleDropped):
-        return Outcome(None, f"{rf.name}: dropped: {_shorten(str(exc))}", seconds, dropped=True)
-    return Outcome(None, f"{rf.name}: {type(exc).__name__}: {_shorten(str(exc))}", seconds)
+        return Outcome(None, f"{rf.name}: dropped: {_bounded(str(exc))}", seconds, dropped=True)
+    return Outcome(None, f"{rf.name}: {type(exc).__name__}: {_bounded(str(exc))}", seconds)
 
 
 def checked(rf: RewardFn, value: Any, seconds: float) -> Outcome:
@@ -261,6 +267,14 @@ def _shown(value: Any) -> str:
         return _shorten(repr(value))
     except Exception:  # a repr that fails (an int past Python's digit limit, a broken class)
         return "(no repr)"
+
+
+def _bounded(text: str) -> str:
+    """``text`` whole when it has at most :data:`_MAX_MESSAGE` characters, else its start
+    and how many characters were left out."""
+    if len(text) <= _MAX_MESSAGE:
+        return text
+    return f"{text[:_MAX_MESSAGE]}... ({len(text) - _MAX_MESSAGE} more characters)"
 
 
 def _shorten(text: str) -> str:

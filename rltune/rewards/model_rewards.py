@@ -23,6 +23,7 @@ tokenizer differs from the policy's.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections.abc import Sequence
@@ -31,11 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
 
 from rltune.data.chat import encode_completion, encode_prompt
 from rltune.data.records import Prompt
-from rltune.models.load import load_tokenizer
-from rltune.models.reward_model import load_reward_model, score_completions
+from rltune.models.load import DTYPES, TOKENIZER_FILES, ModelLoadError, load_tokenizer
+from rltune.models.reward_model import SCORE_HEAD, load_reward_model, score_completions
+from rltune.models.safetensors_io import open_tensors
 from rltune.rewards.contract import batched
 from rltune.rewards.keyed_cache import KeyedCache, cache_key
 
@@ -83,7 +88,9 @@ def reward_model(
     The model is loaded once per distinct (path, dtype, device, trust_remote_code) and kept.
     A sample that cannot be scored (a prompt id outside the model's vocabulary, a sequence
     longer than its position limit) is an exception in its place in the result; a model
-    that does not load raises (every sample of the call is an error).
+    that does not load raises (every sample of the call is an error). A config's kwargs are
+    checked when it loads (a directory that holds no reward model, a bad setting), before
+    anything is generated.
     """
     _check_settings(batch_size=batch_size, scale=scale, shift=shift)
     _check_lengths(prompts, completions)
@@ -164,12 +171,12 @@ def _encode(
     return prompt_ids, completion_ids
 
 
-def _check_settings(*, batch_size: int, scale: float, shift: float) -> None:
+def _check_settings(*, batch_size: int, scale: float, shift: float, prefix: str = "reward_model: ") -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"reward_model: batch_size must be a positive integer, got {batch_size!r}")
+        raise ValueError(f"{prefix}batch_size must be a positive integer, got {batch_size!r}")
     for name, value in (("scale", scale), ("shift", shift)):
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"reward_model: {name} must be a finite number, got {value!r}")
+            raise ValueError(f"{prefix}{name} must be a finite number, got {value!r}")
 
 
 def _check_lengths(prompts: Sequence[Prompt], completions: Sequence[str]) -> None:
@@ -180,9 +187,83 @@ def _check_lengths(prompts: Sequence[Prompt], completions: Sequence[str]) -> Non
 
 
 def _check_reward_model(kwargs: dict) -> None:
+    """The config's kwargs, checked when the config loads: the settings, and that ``path``
+    holds a reward model (read from its config.json and the names in its safetensors
+    headers, without loading a weight), so a wrong directory stops the run before the
+    first generation instead of failing every sample. ``device`` is not checked: the
+    process that scores may see devices that this one does not."""
+    _check_settings(batch_size=kwargs.get("batch_size", 32), scale=kwargs.get("scale", 1.0),
+                    shift=kwargs.get("shift", 0.0), prefix="kwargs.")
+    dtype = kwargs.get("dtype", "float32")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"kwargs.dtype {dtype!r} is not one of {sorted(DTYPES)}")
     path = kwargs.get("path")
-    if isinstance(path, str) and not path.startswith("builtin:") and not Path(path).is_dir():
+    if isinstance(path, str):
+        _check_model_dir(path, trust_remote_code=bool(kwargs.get("trust_remote_code", False)))
+
+
+_TRAIN_ONE = "train one with algo.name=reward_model and `rltune export` it"
+
+
+def _check_model_dir(path: str, *, trust_remote_code: bool) -> None:
+    """Raise ValueError unless ``path`` is a directory with a config.json of an architecture
+    with a sequence-classification model, a tokenizer and, when its weights are
+    safetensors, a trained score head among them."""
+    if path.startswith("builtin:"):
+        raise ValueError(
+            f"kwargs.path {path!r} names a built-in causal LM, not a reward model: it has no "
+            f"trained `{SCORE_HEAD}` head; set it to a reward model's directory ({_TRAIN_ONE})"
+        )
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
         raise ValueError(f"kwargs.path {path!r} is not a directory (a reward model saved with save_pretrained)")
+    config = _json_file(directory / "config.json", path=path)
+    if not isinstance(config, dict):
+        raise ValueError(f"kwargs.path {path!r}: config.json holds a JSON {type(config).__name__}, not an object")
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES and not trust_remote_code:
+        raise ValueError(
+            f"kwargs.path {path!r}: transformers has no sequence-classification model for its "
+            f"model_type {model_type!r}, which a reward model needs"
+        )
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"kwargs.path {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            f"save the reward model's tokenizer there with `tokenizer.save_pretrained`"
+        )
+    names = _weight_names(directory, path=path)
+    if names is not None and f"{SCORE_HEAD}.weight" not in names:
+        raise ValueError(
+            f"kwargs.path {path!r} holds no trained `{SCORE_HEAD}` head (a causal LM, not a reward "
+            f"model): its scores would be a random head's; {_TRAIN_ONE}"
+        )
+
+
+def _weight_names(directory: Path, *, path: str) -> set[str] | None:
+    """The tensor names of the directory's safetensors weights (from the shard index or the
+    file's header); None when its weights are in another format."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        data = _json_file(index, path=path)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        return set(weight_map) if isinstance(weight_map, dict) else None
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        return None
+    with open_tensors(single, error=ModelLoadError) as f:
+        return set(f.keys())
+
+
+def _json_file(file: Path, *, path: str) -> Any:
+    if not file.is_file():
+        raise ValueError(
+            f"kwargs.path {path!r} has no {file.name}, so it is not a Hugging Face model directory "
+            f"(a reward model saved with save_pretrained)"
+        )
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"kwargs.path {path!r}: {file.name} is not valid JSON ({err})") from None
 
 
 reward_model.check_kwargs = _check_reward_model  # type: ignore[attr-defined]

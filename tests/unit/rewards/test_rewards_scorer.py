@@ -211,13 +211,14 @@ def test_a_weighted_sum_past_float32s_range_is_an_error() -> None:
     assert stats.errors.value == 1
 
 
-def test_long_error_messages_are_shortened() -> None:
+def test_long_error_messages_are_kept_up_to_a_bound() -> None:
     def chatty(prompt: Prompt, completion: str, **meta: object) -> float:
-        raise ValueError("x" * 500)
+        raise ValueError("x" * 500 if completion == "short" else "y" * 5000)
 
-    rollout = _rollout("a", "x")
-    LocalScorer([RewardFn("chatty", chatty)]).score(PROMPTS, [rollout])
-    assert rollout.reward_error == "chatty: ValueError: " + "x" * 77 + "..."
+    rollouts = [_rollout("a", "short"), _rollout("a", "long")]
+    LocalScorer([RewardFn("chatty", chatty)]).score(PROMPTS, rollouts)
+    assert rollouts[0].reward_error == "chatty: ValueError: " + "x" * 500
+    assert rollouts[1].reward_error == "chatty: ValueError: " + "y" * 2000 + "... (3000 more characters)"
 
 
 def test_bool_and_int_returns_are_numbers() -> None:
