@@ -75,6 +75,11 @@ class EpisodeGenerator:
     run's system prompt and chat template). ``glue``: how observations are written between
     turns (:func:`~rltune.envs.tool_format.turn_glue`). ``eos_ids``: the tokens that end
     the model's turn.
+
+    A first observation is held to the rules of a dataset prompt: at most
+    ``max_prompt_tokens`` (``data.max_prompt_tokens``) tokens, and within the model's
+    ``max_positions`` together with the first turn's new tokens. One that breaks them is
+    the episode's error (like ``reset`` raising), not the run's; None checks nothing.
     """
 
     def __init__(
@@ -88,6 +93,8 @@ class EpisodeGenerator:
         max_turns: int,
         max_total_tokens: int,
         eos_ids: Sequence[int],
+        max_prompt_tokens: int | None = None,
+        max_positions: int | None = None,
     ) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
@@ -97,6 +104,8 @@ class EpisodeGenerator:
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.eos_ids = set(eos_ids)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_positions = max_positions
 
     @property
     def version(self) -> int:
@@ -110,7 +119,8 @@ class EpisodeGenerator:
         return {}
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams, *, group_offset: int = 0) -> list[Rollout]:
-        episodes = [self._start(p, group_offset + g) for g, p in enumerate(prompts) for _ in range(params.n)]
+        first_turn = min(params.max_new_tokens, self.max_total_tokens)
+        episodes = [self._start(p, group_offset + g, first_turn) for g, p in enumerate(prompts) for _ in range(params.n)]
         stop = tuple(dict.fromkeys((*params.stop, CALL_CLOSE)))
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.done]
@@ -121,7 +131,7 @@ class EpisodeGenerator:
 
     # -- one round ------------------------------------------------------------------------
 
-    def _start(self, prompt: Prompt, group: int) -> _Episode:
+    def _start(self, prompt: Prompt, group: int, first_turn: int) -> _Episode:
         env = self.make_env()
         episode = _Episode(prompt, group, env, list(prompt.input_ids or []))
         try:
@@ -133,11 +143,26 @@ class EpisodeGenerator:
             episode.done, episode.error = True, _returned("reset", "", first, "a str or None")
             return episode
         if first is not None:
-            episode.prompt_ids = self.encode(Prompt(id=prompt.id, text=first, meta=prompt.meta))
-            episode.own_prompt = False
+            ids = self.encode(Prompt(id=prompt.id, text=first, meta=prompt.meta))
+            too_long = self._too_long(len(ids), first_turn)
+            if too_long is not None:  # refused as a dataset prompt is: the dataset's prompt stays
+                episode.done, episode.error = True, too_long
+                return episode
+            episode.prompt_ids, episode.own_prompt = ids, False
         if not episode.prompt_ids:
             raise ValueError(f"prompt {prompt.id!r} has no input_ids: load it through rltune.data")
         return episode
+
+    def _too_long(self, n: int, first_turn: int) -> str | None:
+        """Why a first observation of ``n`` tokens cannot be a prompt, or None."""
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            return (f"env: reset text too long: {n} tokens, more than data.max_prompt_tokens="
+                    f"{self.max_prompt_tokens}; shorten what reset returns or raise data.max_prompt_tokens")
+        if self.max_positions is not None and n + first_turn > self.max_positions:
+            return (f"env: reset text too long: {n} tokens and a first turn of up to {first_turn} "
+                    f"need {n + first_turn} positions, more than the model's {self.max_positions}; "
+                    "shorten what reset returns or lower rollout.max_new_tokens")
+        return None
 
     def _play_turn(self, live: list[_Episode], params: SamplingParams, stop: tuple[str, ...], *, last: bool) -> None:
         budget = [self.max_total_tokens - len(e.ids) for e in live]

@@ -182,13 +182,15 @@ _RETRIEVERS: KeyedCache[Any] = KeyedCache()
 def tools_env(
     *, tools: Sequence[str] = ("calculator",), search: Mapping[str, Any] | None = None,
     k: int = 1, python: Mapping[str, Any] | None = None, max_result_chars: int = _MAX_RESULT_CHARS,
-    answer_tools: Sequence[str] = (),
+    answer_tools: Sequence[str] = (), base_dir: str | None = None,
 ) -> ToolEnv:
     """``builtin:tools``: a :class:`ToolEnv` with the named built-in tools (``calculator``,
     ``python``, ``search``). ``search`` is the retriever spec of
     :func:`rltune.envs.retrieval.build_retriever` (built once per distinct spec and shared
-    by all episodes); ``python`` the sandbox settings of :func:`python_tool`;
-    ``answer_tools`` as in :class:`ToolEnv`."""
+    by all episodes), whose relative paths start at ``base_dir`` (the config file's
+    directory, which :func:`rltune.envs.loading.load_env_factory` passes), else at the
+    working directory; a store ``path`` that holds no store needs ``documents``. ``python``:
+    the sandbox settings of :func:`python_tool`; ``answer_tools`` as in :class:`ToolEnv`."""
     known = {"calculator", "python", "search"}
     if isinstance(tools, str):  # a bare name would be read letter by letter
         raise ValueError(f"env tools: `tools` must be a list of tool names, e.g. [{tools}], not a string")
@@ -204,26 +206,25 @@ def tools_env(
     if "search" in tools:
         if search is None:
             raise ValueError("env tools: the search tool needs `search:` (a retriever spec, e.g. {kind: bm25, documents: docs.jsonl})")
-        key = json.dumps(search, sort_keys=True, default=str)
-        retriever = _RETRIEVERS.get(key, lambda: _retriever(search))
+        key = json.dumps([search, base_dir], sort_keys=True, default=str)
+        retriever = _RETRIEVERS.get(key, lambda: _retriever(search, base_dir))
         made["search"] = search_tool(retriever, k=k)
     return ToolEnv(made, max_result_chars=max_result_chars, answer_tools=answer_tools)
 
 
-def _retriever(spec: Mapping[str, Any]) -> Any:
-    """:func:`~rltune.envs.retrieval.build_retriever`, plus ``documents: builtin:TASK``
-    for the corpus of a built-in task (``builtin:lookup``)."""
+def _retriever(spec: Mapping[str, Any], base_dir: str | None) -> Any:
+    """:func:`~rltune.envs.retrieval.build_retriever` (no new store made empty), plus
+    ``documents: builtin:TASK`` for the corpus of a built-in task (``builtin:lookup``)."""
     from rltune.data.tasks.lookup import lookup_documents
     from rltune.envs.retrieval import Document, build_retriever
 
     documents = spec.get("documents")
     if not (isinstance(documents, str) and documents.startswith("builtin:")):
-        return build_retriever(spec)
+        return build_retriever(spec, base_dir=base_dir, create_empty=False)
     corpora = {"lookup": lookup_documents}
     name = documents.removeprefix("builtin:")
     if name not in corpora:
         raise ValueError(f"search documents {documents!r}: built-in corpora are {sorted(f'builtin:{c}' for c in corpora)}")
-    rows = corpora[name]()
-    retriever = build_retriever({k: v for k, v in spec.items() if k != "documents"})
-    retriever.add([Document(row["id"], row["text"]) for row in rows])
-    return retriever
+    rows = [Document(row["id"], row["text"]) for row in corpora[name]()]
+    return build_retriever({k: v for k, v in spec.items() if k != "documents"}, base_dir=base_dir,
+                           corpus=rows, create_empty=False)

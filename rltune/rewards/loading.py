@@ -35,6 +35,13 @@ _FILE_MODULE_PREFIX = "rltune_user_reward_"
 its path (two files called rewards.py do not collide)."""
 
 
+_EXAMPLES = {
+    "reward": ("function", "`builtin:exact_numeric` or `rewards.py:my_reward`"),
+    "env": ("factory", "`builtin:tools` or `envs.py:MyEnv`"),
+}
+"""The kind of spec -> what its part after the colon names, and examples of the spec."""
+
+
 class RewardLoadError(ValueError):
     """A reward spec that cannot be turned into a usable reward function."""
 
@@ -61,14 +68,15 @@ def load_callable(
     Raises :class:`RewardLoadError` naming the part of the spec that is wrong."""
     target, sep, attr = spec.strip().rpartition(":")
     if not sep or not target or not attr:
+        part, examples = _EXAMPLES.get(what, _EXAMPLES["reward"])
         raise RewardLoadError(
-            f"{what} spec {spec!r}: expected `module:function` or `path/to/file.py:function` "
-            "(e.g. `builtin:exact_numeric` or `rewards.py:my_reward`)"
+            f"{what} spec {spec!r}: expected `module:{part}` or `path/to/file.py:{part}` "
+            f"(e.g. {examples})"
         )
     if _is_file_target(target):
-        module = _load_file(target, spec=spec, base_dir=base_dir)
+        module = _load_file(target, spec=spec, base_dir=base_dir, what=what)
     else:
-        module = _import_module((aliases or {}).get(target, target), spec=spec, base_dir=base_dir)
+        module = _import_module((aliases or {}).get(target, target), spec=spec, base_dir=base_dir, what=what)
     return _get_callable(module, attr, spec=spec, allow_class=allow_class, what=what)
 
 
@@ -100,7 +108,7 @@ def _is_file_target(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def _resolve_file(target: str, *, spec: str, base_dir: str | None) -> Path:
+def _resolve_file(target: str, *, spec: str, base_dir: str | None, what: str) -> Path:
     path = Path(target).expanduser()
     if path.is_absolute():
         candidates = [path]
@@ -111,11 +119,11 @@ def _resolve_file(target: str, *, spec: str, base_dir: str | None) -> Path:
         if candidate.is_file():
             return candidate
     tried = ", ".join(str(c) for c in candidates)
-    raise RewardLoadError(f"reward spec {spec!r}: file not found (looked for {tried})")
+    raise RewardLoadError(f"{what} spec {spec!r}: file not found (looked for {tried})")
 
 
-def _load_file(target: str, *, spec: str, base_dir: str | None) -> ModuleType:
-    path = _resolve_file(target, spec=spec, base_dir=base_dir)
+def _load_file(target: str, *, spec: str, base_dir: str | None, what: str = "reward") -> ModuleType:
+    path = _resolve_file(target, spec=spec, base_dir=base_dir, what=what)
     # One module name per file path: two files both called rewards.py must not collide, and
     # loading the same file twice reuses the module (its globals, caches) like an import.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
@@ -124,7 +132,7 @@ def _load_file(target: str, *, spec: str, base_dir: str | None) -> ModuleType:
         return sys.modules[module_name]
     import_spec = importlib.util.spec_from_file_location(module_name, path)
     if import_spec is None or import_spec.loader is None:
-        raise RewardLoadError(f"reward spec {spec!r}: {path} cannot be loaded as a Python file")
+        raise RewardLoadError(f"{what} spec {spec!r}: {path} cannot be loaded as a Python file")
     module = importlib.util.module_from_spec(import_spec)
     # Registered before running it, as `import` does: a dataclass in the user's file looks
     # its module up in sys.modules while the file runs.
@@ -134,22 +142,22 @@ def _load_file(target: str, *, spec: str, base_dir: str | None) -> ModuleType:
     except (Exception, SystemExit) as exc:  # the user's file raised (or exited) while running: name the file
         del sys.modules[module_name]
         raise RewardLoadError(
-            f"reward spec {spec!r}: running {path} failed: {type(exc).__name__}: {exc}"
+            f"{what} spec {spec!r}: running {path} failed: {type(exc).__name__}: {exc}"
         ) from exc
     return module
 
 
-def _import_module(name: str, *, spec: str, base_dir: str | None) -> ModuleType:
+def _import_module(name: str, *, spec: str, base_dir: str | None, what: str = "reward") -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as exc:
         hint = _file_form_hint(name, base_dir=base_dir)
         raise RewardLoadError(
-            f"reward spec {spec!r}: cannot import module {name!r}: {exc}{hint}"
+            f"{what} spec {spec!r}: cannot import module {name!r}: {exc}{hint}"
         ) from exc
     except (Exception, SystemExit) as exc:  # the module itself raised (or exited) on import
         raise RewardLoadError(
-            f"reward spec {spec!r}: importing module {name!r} failed: "
+            f"{what} spec {spec!r}: importing module {name!r} failed: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
 
@@ -169,13 +177,14 @@ def _get_callable(
     module: ModuleType, attr: str, *, spec: str, allow_class: bool = False, what: str = "reward"
 ) -> Callable[..., Any]:
     if not hasattr(module, attr):
-        available = _public_callables(module)
+        available = _public_callables(module, classes=allow_class)
         close = difflib.get_close_matches(attr, available, n=1)
         suggestion = f"; did you mean {close[0]!r}?" if close else ""
         listing = ", ".join(available) if available else "none"
+        kinds = "functions and classes" if allow_class else "functions"
         raise RewardLoadError(
             f"{what} spec {spec!r}: {_describe_module(module)} has no attribute {attr!r}"
-            f"{suggestion} (its functions: {listing})"
+            f"{suggestion} (its {kinds}: {listing})"
         )
     fn = getattr(module, attr)
     if not callable(fn) or (inspect.isclass(fn) and not allow_class):
@@ -196,11 +205,14 @@ def _describe_module(module: ModuleType) -> str:
     return f"module {module.__name__!r}"
 
 
-def _public_callables(module: ModuleType) -> list[str]:
+def _public_callables(module: ModuleType, *, classes: bool = False) -> list[str]:
+    """The public functions of ``module``; with ``classes``, also the classes it defines
+    (not those it imports, such as ``Path`` or ``Any``)."""
     return sorted(
         name
         for name, value in vars(module).items()
-        if not name.startswith("_") and callable(value) and not inspect.isclass(value)
+        if not name.startswith("_") and callable(value) and (
+            not inspect.isclass(value) or (classes and value.__module__ == module.__name__))
     )
 
 

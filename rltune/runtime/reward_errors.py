@@ -11,6 +11,10 @@ runtime: local and Ray scorers fill the same fields) and
 - warns on a step where no sample got a reward and some failed;
 - after ``train.max_reward_error_steps`` such steps in a row raises
   :class:`RewardErrorLimit` (0 never stops), naming the function and its first message.
+
+An episode whose environment failed (``reset``/``step`` raised or returned a wrong value:
+``Rollout.env_error``) gets no reward either and is counted the same way; the lines name
+the environment instead of the reward function for it, and both where both failed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,32 @@ from rltune.data.records import Rollout
 
 class RewardErrorLimit(ValueError):
     """Every sample's reward failed on ``train.max_reward_error_steps`` steps in a row."""
+
+
+_ENV, _REWARD = "environment", "reward"
+_SUBJECT = {frozenset({_REWARD}): "the reward", frozenset({_ENV}): "the environment",
+            frozenset({_ENV, _REWARD}): "the environment or the reward"}
+_FIX = {frozenset({_REWARD}): "Fix the reward function", frozenset({_ENV}): "Fix the environment",
+        frozenset({_ENV, _REWARD}): "Fix the environment and the reward function"}
+"""What failed (the sources of a streak's errors) -> the words for it."""
+
+
+_MAX_PRINTED = 300
+"""Characters of an error message printed (samples.jsonl keeps it whole, up to the
+scorer's own bound)."""
+
+
+def _printed(message: str) -> str:
+    """``message`` as the console shows it: its first :data:`_MAX_PRINTED` characters."""
+    if len(message) <= _MAX_PRINTED:
+        return message
+    return f"{message[:_MAX_PRINTED]}... (the whole message is in samples.jsonl)"
+
+
+def _source(rollout: Rollout) -> str:
+    """Where a sample's error came from: its environment (which is then the error shown
+    first) or a reward function."""
+    return _ENV if rollout.env_error is not None else _REWARD
 
 
 def error_kind(message: str) -> str:
@@ -53,29 +83,35 @@ class RewardErrorWatch:
         self._seen: set[str] = set()
         self._failed_steps: list[int] = []
         self._first_message: str | None = None
+        self._sources: set[str] = set()
 
     def observe(self, step: int, rollouts: Sequence[Rollout]) -> None:
         """Print what is new in ``rollouts`` (step ``step``); count a step on which no
         sample scored and at least one failed (deliberately dropped samples are no error)."""
-        errors = [r.reward_error for r in rollouts if r.reward_error is not None and not r.dropped]
-        for message in errors:
-            kind = error_kind(message)
+        failed = [r for r in rollouts if r.reward_error is not None and not r.dropped]
+        errors = [r.reward_error for r in failed]
+        for r in failed:
+            kind = error_kind(r.reward_error)
             if kind not in self._seen:
                 self._seen.add(kind)
-                self._say(escape(f"reward error at step {step} (first of its kind, not repeated): {message}"))
+                self._say(escape(f"{_source(r)} error at step {step} (first of its kind, not repeated): "
+                                 f"{_printed(r.reward_error)}"))
         if not errors or any(r.reward is not None for r in rollouts):
             self._failed_steps.clear()
             self._first_message = None
+            self._sources.clear()
             return
         if not self._failed_steps:
             self._first_message = errors[0]
         self._failed_steps.append(step)
+        self._sources |= {_source(r) for r in failed}
+        subject = _SUBJECT[frozenset(_source(r) for r in failed)]
         limit = (
             f"{len(self._failed_steps)} of {self.max_failed_steps} in a row before the run stops"
             if self.max_failed_steps else "train.max_reward_error_steps=0: the run goes on"
         )
         self._say(escape(
-            f"warning: step {step}: the reward failed on all {len(errors)} samples, so the step "
+            f"warning: step {step}: {subject} failed on all {len(errors)} samples, so the step "
             f"learned nothing ({limit})"
         ))
 
@@ -84,9 +120,10 @@ class RewardErrorWatch:
         if not self.max_failed_steps or len(self._failed_steps) < self.max_failed_steps:
             return
         first, last = self._failed_steps[0], self._failed_steps[-1]
+        sources = frozenset(self._sources)
         raise RewardErrorLimit(
-            f"the reward failed on every sample of {len(self._failed_steps)} steps in a row "
-            f"(steps {first}-{last}), so the run stopped: {self._first_message}. Fix the reward "
-            f"function (samples.jsonl has each sample's error), or raise "
+            f"{_SUBJECT[sources]} failed on every sample of {len(self._failed_steps)} steps in a row "
+            f"(steps {first}-{last}), so the run stopped: {_printed(self._first_message or '')}. {_FIX[sources]} "
+            f"(samples.jsonl has each sample's error), or raise "
             f"`train.max_reward_error_steps` (0 never stops)"
         )

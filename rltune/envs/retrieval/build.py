@@ -13,21 +13,26 @@ embedder is ``"minilm"``, ``"hashing"`` or a mapping with ``name`` and options (
 :data:`rltune.envs.retrieval.embedders.EMBEDDERS`). Relative paths are taken from
 ``base_dir`` (the directory of the config file that holds the spec), else from the
 working directory.
+
+With ``create_empty=False`` (a search environment's retriever) an ``embedded`` ``path``
+that holds no store is refused unless there are documents to build it from: made empty, it
+would answer every search with nothing. An in-memory store without documents is kept (an
+empty store is a deliberate control).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rltune.envs.retrieval.bm25 import BM25Retriever
-from rltune.envs.retrieval.documents import load_documents
-from rltune.envs.retrieval.embedded import EmbeddedStore
+from rltune.envs.retrieval.documents import CorpusError, load_documents
+from rltune.envs.retrieval.embedded import DB_FILE, EmbeddedStore
 from rltune.envs.retrieval.embedders import make_embedder
 from rltune.envs.retrieval.server import ChromaStore
 from rltune.envs.retrieval.spec import REQUIRED, Option, resolve_name, resolve_options
-from rltune.envs.retrieval.store import Retriever
+from rltune.envs.retrieval.store import Document, Retriever
 
 _OPTIONAL_PATH = (str, type(None))
 _EMBEDDER = Option("minilm", (str, Mapping))
@@ -47,20 +52,58 @@ RETRIEVERS: dict[str, dict[str, Option]] = {
 """Retriever kind -> its config keys, with their defaults and accepted types."""
 
 
-def build_retriever(spec: Mapping[str, Any], *, base_dir: str | None = None) -> Retriever:
-    """The retriever ``spec`` describes, holding its ``documents`` if it names any.
-    Unknown kinds and keys, values of the wrong type and bad embedder specs are
-    ``ValueError``\\ s that name the bad key or value and list the valid ones."""
+def build_retriever(spec: Mapping[str, Any], *, base_dir: str | None = None,
+                    corpus: Sequence[Document] | None = None, create_empty: bool = True) -> Retriever:
+    """The retriever ``spec`` describes, holding its ``documents`` if it names any, and
+    ``corpus`` (documents given in code, e.g. a built-in task's). Unknown kinds and keys,
+    values of the wrong type and bad embedder specs are ``ValueError``\\ s that name the
+    bad key or value and list the valid ones. ``create_empty=False``: see the module
+    docstring."""
     if not isinstance(spec, Mapping):
         raise TypeError(f"a retrieval spec is a mapping, got {type(spec).__name__}")
     if "kind" not in spec:
         raise ValueError(f"retrieval spec has no 'kind'; valid kinds: {', '.join(sorted(RETRIEVERS))}")
     kind = resolve_name(spec["kind"], RETRIEVERS, what="retrieval kind")
-    opts = resolve_options(spec, RETRIEVERS[kind], where=f"retrieval spec (kind {kind!r})")
+    where = f"retrieval spec (kind {kind!r})"
+    opts = resolve_options(spec, RETRIEVERS[kind], where=where)
+    documents = None if opts["documents"] is None else _documents_file(opts["documents"], base_dir, where)
+    if not create_empty and kind == "embedded" and opts["path"] is not None and documents is None \
+            and corpus is None:
+        _check_store_exists(opts["path"], base_dir, where)
     retriever = _make(kind, opts, base_dir)
-    if opts["documents"] is not None:
-        retriever.add(load_documents(_path(opts["documents"], base_dir)))
+    if documents is not None:
+        retriever.add(load_documents(documents))
+    if corpus is not None:
+        retriever.add(corpus)
     return retriever
+
+
+def resolve_path(path: str, base_dir: str | None) -> Path:
+    """``path`` as written when absolute; a relative one from ``base_dir`` (the config
+    file's directory), else from the working directory."""
+    given = Path(path).expanduser()
+    return given if given.is_absolute() else (Path(base_dir) if base_dir else Path.cwd()) / given
+
+
+def _documents_file(path: str, base_dir: str | None, where: str) -> Path:
+    """The corpus file ``documents: path`` names, which must exist."""
+    resolved = resolve_path(path, base_dir)
+    if not resolved.is_file():
+        start = "" if Path(path).expanduser().is_absolute() else (
+            " (a relative path starts at the config file's directory)" if base_dir
+            else " (a relative path starts at the working directory)")
+        raise CorpusError(f"{where}: documents {path!r}: no such corpus file {resolved}{start}")
+    return resolved
+
+
+def _check_store_exists(path: str, base_dir: str | None, where: str) -> None:
+    """Refuse a store ``path`` that holds no store, which would be made empty."""
+    store = resolve_path(path, base_dir)
+    if not (store / DB_FILE).is_file():
+        raise ValueError(f"{where}: path {path!r}: there is no store at {store} and no "
+                         "`documents:` are given, so it would be made empty and every search would "
+                         "find nothing; give `documents:` (a JSONL corpus) to build it there, or "
+                         "the path of an existing store")
 
 
 def _make(kind: str, opts: dict[str, Any], base_dir: str | None) -> Retriever:
@@ -68,10 +111,6 @@ def _make(kind: str, opts: dict[str, Any], base_dir: str | None) -> Retriever:
         return BM25Retriever(k1=opts["k1"], b=opts["b"])
     embedder = make_embedder(opts["embedder"], base_dir=base_dir, where=f"{kind} retriever's embedder")
     if kind == "embedded":
-        path = None if opts["path"] is None else _path(opts["path"], base_dir)
+        path = None if opts["path"] is None else resolve_path(opts["path"], base_dir)
         return EmbeddedStore(embedder, path)
     return ChromaStore(embedder, host=opts["host"], port=opts["port"], collection=opts["collection"])
-
-
-def _path(path: str, base_dir: str | None) -> Path:
-    return Path(base_dir or ".") / path

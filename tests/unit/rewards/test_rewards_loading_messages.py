@@ -25,3 +25,22 @@ def test_a_missing_function_names_the_file(tmp_path: Path) -> None:
 def test_a_missing_function_of_a_module_names_the_module() -> None:
     with pytest.raises(RewardLoadError, match="^reward spec 'builtin:nope': module 'rltune.rewards.builtin' has no"):
         load_reward_fn("builtin:nope")
+
+
+def test_a_reward_spec_suggests_functions_not_classes(tmp_path: Path) -> None:
+    # a class is no reward (it is refused by name), so it is neither suggested nor listed
+    path = tmp_path / "scores.py"
+    path.write_text("class Scorer:\n    pass\ndef scorer_v2(prompt, completion, **meta):\n    return 1.0\n")
+    with pytest.raises(RewardLoadError) as info:
+        load_reward_fn(f"{path}:Scorerr")
+    assert str(info.value) == (
+        f"reward spec '{path}:Scorerr': file {path} has no attribute 'Scorerr'; "
+        "did you mean 'scorer_v2'? (its functions: scorer_v2)"
+    )
+
+
+def test_file_and_import_errors_say_reward_spec(tmp_path: Path) -> None:
+    with pytest.raises(RewardLoadError, match="^reward spec 'nope.py:f': file not found"):
+        load_reward_fn("nope.py:f", base_dir=str(tmp_path))
+    with pytest.raises(RewardLoadError, match="^reward spec 'no_such_reward_module:f': cannot import module"):
+        load_reward_fn("no_such_reward_module:f")
