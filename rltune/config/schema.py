@@ -26,7 +26,8 @@ class LoraConfig(_Section):
     begins exactly at the base model. Only the adapters (and ``modules_to_save``) train."""
 
     r: int = Field(8, ge=1)
-    """Rank of each update ``B A``."""
+    """Rank of each update ``B A``; at most the largest ``min(out, in)`` of the adapted
+    layers (the hidden size, for an LM), checked when the adapters are built."""
     alpha: float = Field(16.0, gt=0)
     """The update is scaled by ``alpha / r``."""
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -212,6 +213,7 @@ class RolloutConfig(_Section):
     shares the learner's module). ``vllm``: a vLLM engine holding its own copy of the
     weights, updated in place after each step (the ``vllm`` extra; GPU)."""
     vllm: VLLMConfig = VLLMConfig()
+    """The vLLM engine's settings; with ``engine: hf`` they must stay at their defaults."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """The precision the ``hf`` engine samples in (autocast around its forwards; vLLM:
     its ``dtype``). ``auto``: the learner's ``train.precision`` (bf16 for fp8), so that
@@ -227,7 +229,7 @@ class RolloutConfig(_Section):
     learner's process (``runtime.mode: local`` with ``runtime.max_staleness > 0``), so that
     generation and learning, which then run at once, do not compete for one pool of
     threads. None: half of the threads torch would use (at least 1), and ``train.threads``
-    left unset gets the rest (``rltune.runtime.rollouts.thread_shares``). Not used
+    left unset gets the rest (``rltune.runtime.rollouts.thread_shares``). Refused
     otherwise: a synchronous run generates on the learner's ``train.threads``, and Ray's
     generator actors on their reserved CPUs."""
 
@@ -272,7 +274,8 @@ class EnvConfig(_Section):
     name: str | None = None
     """``builtin:NAME`` (``tools``), ``module:factory`` or ``path/to/file.py:factory``; the
     factory is called with ``kwargs`` once per episode and returns an Environment. None:
-    single-turn generation."""
+    single-turn generation (the other ``env`` keys then stay at their defaults). Only a run
+    that generates plays episodes: an online algorithm, or SFT's evaluation on ``data.eval``."""
     kwargs: dict[str, object] = Field(default_factory=dict)
     max_turns: int = Field(4, ge=1)
     """Assistant turns per episode; the episode ends after the last one."""

@@ -23,6 +23,7 @@ class TrainConfig(_Section):
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """``schedule: cosine``: the lr it ends at, as a share of ``lr``; refused with ``constant``."""
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)

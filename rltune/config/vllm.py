@@ -41,3 +41,10 @@ class VLLMConfig(_Section):
         if clash := sorted(VLLM_RESERVED_ARGS & set(self.engine_args)):
             raise ValueError(f"rollout.vllm.engine_args: {clash} are set by rltune (model.*, train.seed), not here")
         return self
+
+
+def vllm_keys_set(vllm: VLLMConfig) -> list[str]:
+    """The ``rollout.vllm`` keys set away from their defaults, each as ``key=value``."""
+    default = VLLMConfig()
+    return [f"rollout.vllm.{key}={getattr(vllm, key)}" for key in type(vllm).model_fields
+            if getattr(vllm, key) != getattr(default, key)]

@@ -60,9 +60,10 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig", *, language_model_only
     global RNG (peft's Kaiming-uniform init), ``B`` is zero.
 
     Raises:
-        ModelLoadError: peft is not installed, ``model`` already has adapters, or a name
+        ModelLoadError: peft is not installed, ``model`` already has adapters, a name
             in ``target_modules``/``modules_to_save`` matches no module of ``model`` (or
-            a module LoRA cannot adapt).
+            a module LoRA cannot adapt), or ``cfg.r`` is above the rank of every adapted
+            layer's update (:func:`_check_rank`).
     """
     peft = _peft()
     if is_lora(model):
@@ -97,9 +98,35 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig", *, language_model_only
         # merging tricky; merged_copy unties such weights, so the export stays exact.
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*ensure_weight_tying", category=UserWarning)
         try:
-            return peft.get_peft_model(model, config)
+            wrapped = peft.get_peft_model(model, config)
         except ValueError as err:  # e.g. a name matching a whole block, not a layer LoRA supports
             raise ModelLoadError(f"model.lora: peft cannot adapt {type(model).__name__}: {err}") from err
+    _check_rank(wrapped, cfg.r)
+    return wrapped
+
+
+def _check_rank(model: torch.nn.Module, r: int) -> None:
+    """A ModelLoadError when rank ``r`` is above what the update of every adapted layer can
+    have: ``B A`` of a ``[out, in]`` weight has rank at most ``min(out, in)``, so past the
+    largest such bound every adapter holds more numbers than the weight it adapts and
+    learns nothing a full update would not (``r`` past the hidden size, for an LM). A rank
+    above the bound of some layers only is accepted: ``all-linear`` also adapts layers as
+    narrow as an MoE's shared-expert gate (one output), which any useful rank exceeds."""
+    from peft.tuners.lora import LoraLayer
+
+    bounds = {
+        name.removeprefix("base_model.model."): (module.out_features, module.in_features)
+        for name, module in model.named_modules() if isinstance(module, LoraLayer)
+    }
+    if not bounds:
+        return
+    name, (out, inp) = max(bounds.items(), key=lambda item: min(item[1]))
+    if r > min(out, inp):
+        raise ModelLoadError(
+            f"model.lora.r={r} is above {min(out, inp)}, the highest rank an update of any adapted layer can have "
+            f"({name} is {out} x {inp}): every adapter would be over-full and cost more than training its layer in "
+            f"full; set model.lora.r <= {min(out, inp)}, or train without LoRA"
+        )
 
 
 def language_model_targets(model: torch.nn.Module, targets: list[str] | None) -> list[str]:

@@ -8,7 +8,6 @@ critic), so every random draw at start-up happens in the same order.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from rltune.algos import Algorithm, config_problems
 from rltune.config import Config, ConfigError, save_resolved_config
+from rltune.config.ignored import unused_setting_problems
 from rltune.data.collate import collate_sft
 from rltune.data.loaders import load_prompts
 from rltune.data.sampler import PromptSampler
@@ -30,7 +30,10 @@ from rltune.runtime.evaluate import Evaluation, GeneratedEvaluation, PreferenceE
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.parts import Progress, Run, RunData, RunRoles, RunSpec
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, skip_warnings
-from rltune.runtime.roles import EnvFactory, Roles, is_preference, learner_model, lookup_algorithm, seed_everything
+from rltune.runtime.roles import (
+    EnvFactory, Roles, is_preference, learner_model, lookup_algorithm, model_positions, plays_episodes,
+    seed_everything,
+)
 from rltune.runtime.rollouts import thread_shares
 from rltune.runtime.rundir import prepare_run_dir
 from rltune.runtime.sources import AheadOfLearner, BatchSource, Experience, Offline, OnPolicy
@@ -88,16 +91,11 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
 
 def _check_positions(cfg: Config, model_dir: str, prompts: list) -> None:
     """A ConfigError when the longest prompt and ``rollout.max_new_tokens`` need more
-    positions than the model has (``max_position_embeddings``; a model with
-    ``rope_scaling`` may go past it and is not judged): generation would fail or, on the
-    CPU's decoder that reserves its cache up front, exhaust memory."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # the model loaded from elsewhere (a remote-code model's own files)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    limit = text.get("max_position_embeddings")
-    if not isinstance(limit, int) or text.get("rope_scaling") or config.get("rope_scaling"):
+    positions than the model has (:func:`~rltune.runtime.roles.model_positions`):
+    generation would fail or, on the CPU's decoder that reserves its cache up front,
+    exhaust memory."""
+    limit = model_positions(model_dir)
+    if limit is None:
         return
     longest = max((len(p.input_ids) for p in prompts if p.input_ids is not None), default=0)
     if longest + cfg.rollout.max_new_tokens > limit:
@@ -124,11 +122,25 @@ def _thread_shares(cfg: Config) -> tuple[int | None, int | None]:
 def _check_inputs(cfg: Config, config_dir: Path | None) -> _Inputs:
     algorithm = lookup_algorithm(cfg.algo.name)
     problems = config_problems(algorithm, cfg)  # what the registry says this algorithm needs
+    problems += setting_problems(algorithm, cfg)
     if problems:
         raise ConfigError("; ".join(problems))
     reward_fns = build_reward_fns(cfg.reward, base_dir=str(config_dir) if config_dir else None)
     make_env = load_env_factory(cfg.env.name, cfg.env.kwargs, base_dir=config_dir) if cfg.env.name else None
     return _Inputs(algorithm, reward_fns, make_env)
+
+
+def setting_problems(algorithm: Algorithm, cfg: Config) -> list[str]:
+    """Settings set away from their defaults that this run would not read, one line each
+    (:func:`rltune.config.ignored.unused_setting_problems`): among them an environment in
+    a run that never plays episodes (a preference method scores held-out pairs and never
+    generates; SFT generates only to evaluate on ``data.eval``)."""
+    why = (" (it learns from preference pairs and never generates, not even to evaluate); remove the env section"
+           if is_preference(cfg) else
+           " without data.eval (it learns from a fixed dataset and generates only to evaluate on data.eval); "
+           "set data.eval, or remove the env section")
+    return unused_setting_problems(cfg, plays_episodes=plays_episodes(algorithm, cfg), algorithm=algorithm.name,
+                                   why_no_episodes=why)
 
 
 def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",

@@ -11,9 +11,11 @@ objectives and samplers with the functions below, so the two start identical.
 from __future__ import annotations
 
 import difflib
+import json
 import random
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -31,8 +33,8 @@ from rltune.learner.parallel import NoParallelism
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
 from rltune.models.chunked import set_logprob_chunk_tokens
-from rltune.models.load import ModelLoadError, load_model, router_aux_loss_coef
-from rltune.models.lora import apply_lora
+from rltune.models.load import ModelLoadError, is_moe, load_model, router_aux_loss_coef
+from rltune.models.lora import apply_lora, is_lora
 from rltune.models.routing import install_routing
 from rltune.models.vision import freeze_vision, is_vision_language
 from rltune.models.value import load_critic
@@ -86,6 +88,12 @@ def is_preference(cfg: Config) -> bool:
     return cfg.algo.name in PREFERENCE_METHODS
 
 
+def plays_episodes(algorithm: Algorithm, cfg: Config) -> bool:
+    """Whether the run's generator plays an environment's episodes: an online algorithm
+    does, and SFT when it evaluates on ``data.eval``; a preference method never generates."""
+    return algorithm.online or (not is_preference(cfg) and cfg.data.eval is not None)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -108,20 +116,36 @@ def lookup_algorithm(name: str) -> Algorithm:
 def learner_options(cfg: Config, algorithm: Algorithm, model: torch.nn.Module) -> dict:
     """The policy learner's keyword arguments besides model, objective and ``cfg.train``
     (shared by every runtime that builds one)."""
-    aux_coef = cfg.model.router_aux_loss_coef
     return {
         "temperature": cfg.rollout.temperature if algorithm.online else 1.0,
-        "aux_loss_coef": router_aux_loss_coef(model) if aux_coef is None else aux_coef,
+        "aux_loss_coef": aux_loss_coef(cfg, model),
         "updates_per_step": cfg.algo.epochs * cfg.algo.minibatches,
         "skip_zero_advantage": cfg.algo.skip_zero_advantage,
     }
+
+
+def aux_loss_coef(cfg: Config, model: torch.nn.Module) -> float:
+    """The router load-balancing loss weight the learner adds for ``model`` (as it holds
+    it, LoRA included): ``model.router_aux_loss_coef``, else the model config's, 0 for a
+    dense model. A dense model with a weight set is refused, like ``model.moe`` on one
+    (:func:`load_policy`): it has no router whose loss the weight would scale."""
+    coef = cfg.model.router_aux_loss_coef
+    if coef and not (hasattr(model, "config") and is_moe(model)):
+        base = model.get_base_model() if is_lora(model) else model
+        raise ModelLoadError(
+            f"model.router_aux_loss_coef: {coef} needs a mixture-of-experts model (it weighs the routers' "
+            f"load-balancing loss); {type(base).__name__}: it has no experts (a dense model). Turn the option off "
+            f"for this model (router_aux_loss_coef: null)"
+        )
+    return router_aux_loss_coef(model) if coef is None else coef
 
 
 def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:
     """The policy as the learner and the generators hold it: a vision-language model's
     vision tower and projector frozen (``model.freeze_vision``), an MoE model's routers
     installed for routing replay and aux-free balancing (``model.moe``) before any
-    adapter, wrapper or checkpoint; a dense model with either option is refused here."""
+    adapter, wrapper or checkpoint; a dense model with either option is refused here
+    (and with ``model.router_aux_loss_coef``, by :func:`aux_loss_coef`)."""
     model = load_model(model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     set_logprob_chunk_tokens(model, cfg.train.logprob_chunk_tokens)
     if cfg.model.freeze_vision and is_vision_language(model):
@@ -193,6 +217,22 @@ def critic_learner(cfg: Config, model_dir: str, device: torch.device | None = No
                         parallelism=NoParallelism(device), updates_per_step=updates)
 
 
+def model_positions(model_dir: str) -> int | None:
+    """The positions the model in ``model_dir`` has (``max_position_embeddings`` of its
+    ``config.json``, a vision-language model's text config's); None when it cannot be
+    read here (a remote-code model's own files) or the model has ``rope_scaling``, which
+    may go past it."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    limit = text.get("max_position_embeddings")
+    if not isinstance(limit, int) or text.get("rope_scaling") or config.get("rope_scaling"):
+        return None
+    return limit
+
+
 def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
                    tokenizer: "PreTrainedTokenizerBase", rng: torch.Generator,
                    make_env: EnvFactory | None) -> EpisodeGenerator | HFGenerator:
@@ -222,7 +262,7 @@ def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
             use_chat_template=cfg.data.chat_template,
         ),
         max_turns=cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
-        eos_ids=stops,
+        eos_ids=stops, max_prompt_tokens=cfg.data.max_prompt_tokens, max_positions=model_positions(model_dir),
     )
 
 
@@ -233,7 +273,7 @@ def local_scorer(cfg: Config, reward_fns: list[RewardFn]) -> LocalScorer:
 
 
 __all__ = [
-    "Roles", "critic_learner", "is_preference", "learner_model", "learner_objective", "learner_options",
-    "load_policy", "load_reference_model", "local_scorer", "lookup_algorithm",
+    "Roles", "aux_loss_coef", "critic_learner", "is_preference", "learner_model", "learner_objective",
+    "learner_options", "load_policy", "load_reference_model", "local_scorer", "lookup_algorithm", "model_positions", "plays_episodes",
     "make_generator", "model_logprobs", "reference_options", "seed_everything",
 ]

@@ -36,6 +36,8 @@ from rltune.algos import ALGORITHMS
 from rltune.algos.registry import unread_keys
 from rltune.checkpoint.store import META_FILE, latest_checkpoint
 from rltune.config import Config, ConfigError, load_config
+from rltune.config.ignored import is_unread, unread_prefixes
+from rltune.runtime.roles import plays_episodes
 
 RUN_CONFIG = "config.yaml"
 
@@ -228,12 +230,16 @@ def check_same_meaning(cfg: Config, old: Config, where: str, whose: str) -> None
 
 
 def _unread(old: Config, new: Config) -> set[str]:
-    """Keys the algorithm of both configs reads in neither: a value it ignores is not the
-    run's meaning (and one set in an old run, refused now, may then be dropped)."""
+    """Keys the run of both configs reads in neither: a value it ignores is not the run's
+    meaning (and one set in an old run, refused now, may then be dropped). The algorithm's
+    keys (:func:`~rltune.algos.registry.unread_keys`) and the settings of
+    :mod:`rltune.config.ignored`, of the keys where the two configs differ."""
     algorithm = ALGORITHMS.get(old.algo.name)
     if algorithm is None or new.algo.name != old.algo.name:
         return set()
-    return set(unread_keys(algorithm, old)) & set(unread_keys(algorithm, new))
+    prefixes = [unread_prefixes(c, plays_episodes=plays_episodes(algorithm, c)) for c in (old, new)]
+    settings = {key for key, _, _ in differences(old, new) if all(is_unread(key, p) for p in prefixes)}
+    return (set(unread_keys(algorithm, old)) & set(unread_keys(algorithm, new))) | settings
 
 
 def _free(key: str) -> bool:

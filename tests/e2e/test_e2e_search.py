@@ -42,7 +42,7 @@ EMPTY_STORE = "env.kwargs.search={kind: embedded, embedder: minilm}"
 
 def _warm_up(log_dir: Path, *overrides: str) -> Path:
     cfg = load_config(RECIPES / "lookup-sft.yaml", [
-        "eval.every=0", "data.eval=null", f"log.dir={log_dir}", "log.console=false", *overrides,
+        "eval.every=0", "data.eval=null", "env.name=null", f"log.dir={log_dir}", "log.console=false", *overrides,
     ])
     run_local(cfg)
     return log_dir / "lookup-sft" / "final"

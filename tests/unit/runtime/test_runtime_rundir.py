@@ -125,6 +125,27 @@ def test_a_key_the_algorithm_never_read_may_be_dropped_on_resume(tmp_path):
         _resume(tmp_path, run_dir, "train.seed=3")
 
 
+@pytest.mark.parametrize("ignored", [
+    "rollout.vllm.max_model_len=256",  # the hf engine starts no vLLM
+    "env.max_turns=2",  # no environment
+    "train.min_lr_ratio=0.1",  # a constant schedule
+])
+def test_a_setting_the_run_never_read_may_be_dropped_on_resume(tmp_path, ignored):
+    """Settings refused now where a run does not read them (rltune.config.ignored) were
+    accepted before: such a run's config still loads, and it resumes without them."""
+    run_dir = _saved(tmp_path, ignored)
+    _resume(tmp_path, run_dir)
+
+
+def test_a_setting_the_run_reads_is_still_its_meaning(tmp_path):
+    run_dir = _saved(tmp_path, "train.schedule=cosine", "train.min_lr_ratio=0.1")
+    with pytest.raises(ConfigError, match=r"train.min_lr_ratio: 0.1 -> 0.0"):
+        _resume(tmp_path, run_dir, "train.schedule=cosine")
+    run_dir = _saved(tmp_path / "env", "env.name=envs.py:make", "env.max_turns=2")
+    with pytest.raises(ConfigError, match=r"env.max_turns: 2 -> 4"):
+        _resume(tmp_path / "env", run_dir, "env.name=envs.py:make")
+
+
 def test_the_recorded_config_is_compared_after_the_same_json_round_trip(tmp_path):
     from rltune.runtime.rundir import check_recorded_meaning
 
