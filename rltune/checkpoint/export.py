@@ -4,6 +4,7 @@ checkpoint that way (``rltune export``)."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from rltune.config import load_config
 from rltune.models.load import held_transformers_warnings, load_model, load_tokenizer, resolve_model
 from rltune.models.lora import apply_lora, is_lora, merged_copy
 from rltune.models.reward_model import load_reward_model
-from rltune.models.routing import install_routing
+from rltune.models.routing import BIAS_BUFFER, find_routers, install_routing
 
 CHECKPOINTS = "checkpoints"
 """Where a run keeps its checkpoints: ``RUN/checkpoints/step-N``."""
@@ -35,6 +36,8 @@ class ExportError(ValueError):
 
 # The processor's own files besides the tokenizer's (which the tokenizer writes).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+logger = logging.getLogger(__name__)
 
 
 def export_hf(
@@ -93,7 +96,19 @@ def export_hf(
     finally:
         if not keep:
             shutil.rmtree(staging, ignore_errors=True)
+    _note_routing_bias(model, directory)
     return directory
+
+
+def _note_routing_bias(model, directory: Path) -> None:
+    """Say where an exported MoE model's aux-free routing bias is read back and where not."""
+    biased = sum(BIAS_BUFFER in gate._buffers for gate in find_routers(model)) if hasattr(model, "modules") else 0
+    if biased:
+        logger.warning(
+            "%s holds the aux-free routing bias of %d MoE routers (*.%s): rltune's load_model "
+            "reads it back, but transformers and vLLM drop it and select experts without it",
+            directory, biased, BIAS_BUFFER,
+        )
 
 
 class _KeptAside(ExportError):

@@ -25,24 +25,18 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import (
-    AutoImageProcessor,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoProcessor,
-    AutoTokenizer,
+    AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
     PreTrainedModel,
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.processing_utils import ProcessorMixin
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils import is_torchvision_available
 
 from rltune.models.experts import ExpertsLayoutError, use_grouped_experts
+from rltune.models.routing import RoutingError, restore_routing_bias
 from rltune.models.safetensors_io import bad_files
 from rltune.models.tiny import TINY_FORMAT_VERSION, TINY_SPECS, build_tiny
 from rltune.models.tiny_vl import TINY_VL_FORMAT_VERSION, TINY_VL_SPECS, build_tiny_vl
@@ -166,8 +160,8 @@ def load_model(
             )
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, StrictDataclassError) as err:
             raise hf_load_error(err, directory, "the model") from err
-        _check_loading_info(info, directory)
-        held.release()
+        if _check_loading_info(info, directory, model):
+            held.release()
     if is_moe(model):
         # transformers' experts run a Python loop over experts under `eager`: switch every
         # MoE model rltune loads (policy, reference, critic, generator) to the grouped compute.
@@ -276,8 +270,9 @@ def hf_load_error(err: Exception, directory: Path, what: str) -> ModelLoadError:
     )
 
 
-def _check_loading_info(info: dict[str, Any], directory: Path) -> None:
-    """Raise unless every weight of the model came from ``directory``."""
+def _check_loading_info(info: dict[str, Any], directory: Path, model: PreTrainedModel) -> bool:
+    """Raise unless every weight of the model came from ``directory``; read back a saved routing
+    bias (:func:`~rltune.models.routing.restore_routing_bias`). False: the load report is only about it."""
     bad = sorted(info["missing_keys"]) + sorted(
         _mismatch(k) for k in info["mismatched_keys"]
     )
@@ -287,6 +282,12 @@ def _check_loading_info(info: dict[str, Any], directory: Path) -> None:
             f"{bad[:5]}{' ...' if len(bad) > 5 else ''}; the checkpoint is incomplete or "
             f"belongs to another architecture"
         )
+    unexpected = sorted(info["unexpected_keys"])
+    try:
+        restored = restore_routing_bias(model, directory, unexpected)
+    except RoutingError as err:
+        raise ModelLoadError(str(err)) from err
+    return not unexpected or len(restored) < len(unexpected)
 
 
 class _HeldRecords(logging.Filter):

@@ -50,6 +50,7 @@ import contextlib
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,40 @@ def install_routing(model: nn.Module, *, replay: bool = False, aux_free_bias: fl
         gate.forward = types.MethodType(_route, gate)
     model.__dict__["_rltune_routers"] = routers
     return len(routers)
+
+
+def restore_routing_bias(model: nn.Module, directory: str | Path, names: list[str]) -> list[str]:
+    """Read back a saved aux-free routing bias: of the state-dict ``names`` transformers
+    did not place (its unexpected keys, from ``directory``), those that are a supported
+    router's ``routing_bias`` become that router's bias buffer, the routers installed
+    (:func:`install_routing`) with rate 0, so the model selects experts as the model that
+    was saved did; returns the names restored. A later :func:`install_routing` keeps the
+    values and sets the rate. An exported MoE model keeps its bias this way (transformers'
+    router classes have no such buffer and drop it)."""
+    routers = {name: m for name, m in model.named_modules() if _class_name(m) in ROUTER_CLASSES}
+    wanted = {n: n.removesuffix(f".{BIAS_BUFFER}") for n in names if n.endswith(f".{BIAS_BUFFER}")}
+    wanted = {n: owner for n, owner in wanted.items() if owner in routers}
+    if not wanted:
+        return []
+    from rltune.models.safetensors_io import open_tensors
+
+    values: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with open_tensors(path, error=RoutingError) as f:
+            values.update({n: f.get_tensor(n) for n in wanted if n in f.keys()})
+    install_routing(model)
+    for name, owner in wanted.items():
+        gate, value = routers[owner], values.get(name)
+        if value is None or value.shape != (gate.num_experts,):
+            raise RoutingError(
+                f"{directory}: {name} should be a [{gate.num_experts}] tensor (one bias per "
+                f"expert), got {None if value is None else list(value.shape)}"
+            )
+        if BIAS_BUFFER in gate._buffers:
+            gate._buffers[BIAS_BUFFER].copy_(value)
+        else:
+            gate.register_buffer(BIAS_BUFFER, value.to(gate.weight.device, torch.float32))
+    return sorted(wanted)
 
 
 def _no_router_message(model: nn.Module, replay: bool, bias: float) -> str:
@@ -370,6 +405,6 @@ def agreement_metrics(agreement: torch.Tensor | None) -> dict[str, Metric]:
 __all__ = [
     "BIAS_BUFFER", "NO_ROUTE", "ROUTER_CLASSES", "ROUTE_DTYPE", "RouteRecorder", "RoutingError",
     "RoutingPass", "agreement_metrics", "expert_count", "expert_load_metrics", "find_routers",
-    "install_routing", "installed_routers", "recording", "route_counts", "routing_pass",
+    "install_routing", "installed_routers", "recording", "restore_routing_bias", "route_counts", "routing_pass",
     "update_routing_bias",
 ]

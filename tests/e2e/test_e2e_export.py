@@ -6,6 +6,7 @@ that do not fit the run's config are one message and exit code 2."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from rltune.cli import main
 from rltune.config import load_config, save_resolved_config
 from rltune.models.load import load_model, resolve_model
 from rltune.models.lora import apply_lora
+from rltune.models.routing import find_routers
 from rltune.runtime.local import run_local
 from cli_check import fails
 
@@ -211,12 +213,19 @@ def test_weights_that_do_not_fit_the_config(capsys, sft_run, tmp_path):
     assert "unset `model.lora` as in the run that saved it" in err
 
 
-def test_an_moe_run_with_a_routing_bias_exports_what_its_final_export_holds(tmp_path):
+def test_an_moe_run_with_a_routing_bias_exports_what_its_final_export_holds(tmp_path, caplog):
     """The aux-free routing bias is part of an MoE policy's state as training installs it:
-    the export installs it too, and writes the very file of the run's own final export."""
+    the export installs it too, and writes the very file of the run's own final export;
+    load_model reads it back, and the export says that transformers does not."""
     cfg = _config(tmp_path / "runs", "model.path=builtin:tiny-moe", "model.moe.aux_free_bias=0.01",
                   "train.steps=1", "checkpoint.final=true")
     run = run_local(cfg)
     out = tmp_path / "out"
-    assert main(["export", str(run.run_dir), str(out)]) == 0
+    with caplog.at_level(logging.WARNING, logger="rltune.checkpoint.export"):
+        assert main(["export", str(run.run_dir), str(out)]) == 0
+    assert f"{out} holds the aux-free routing bias of 2 MoE routers" in caplog.text
     assert (out / "model.safetensors").read_bytes() == (run.run_dir / "final" / "model.safetensors").read_bytes()
+    trained = [g.routing_bias for g in find_routers(run.roles.learner.model)]
+    assert any(bool(b.abs().sum() > 0) for b in trained)  # one step moved it
+    loaded = [g.routing_bias for g in find_routers(load_model(str(out)))]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, trained, strict=True))
