@@ -82,6 +82,7 @@ def connect(runtime: RuntimeConfig, extra: tuple[str, ...] = ()) -> bool:
             raise RayRuntimeError(f"runtime.ray_address={runtime.ray_address!r}: cannot join the cluster: {err}") from None
         return False
     need = total(runtime.placement, extra)
+    _check_local_gpus(need["GPU"])
     cores = os.cpu_count() or 1
     if need["CPU"] > cores:
         # Ray's CPUs are reservations: a local Ray with fewer would never place the actors
@@ -95,6 +96,23 @@ def connect(runtime: RuntimeConfig, extra: tuple[str, ...] = ()) -> bool:
         log_to_driver=True,
     )
     return True
+
+
+def _check_local_gpus(need: float) -> None:
+    """Refuse a placement that reserves more GPUs than this machine has, for a Ray started
+    here: Ray would advertise GPUs that do not exist, and the actors given them would find
+    no CUDA device and run on the CPU, silently."""
+    if not need:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if need > have:
+        raise RayRuntimeError(
+            f"runtime.placement reserves {need:g} GPUs and this machine has {have}"
+            f"{' (torch sees no CUDA device)' if have == 0 else ''}; set the roles' gpus "
+            f"(runtime.placement.*.gpus) to fit, or join a cluster that has them (runtime.ray_address)"
+        )
 
 
 def total(placement: PlacementConfig, extra: tuple[str, ...] = ()) -> dict[str, float]:
