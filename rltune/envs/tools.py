@@ -143,10 +143,13 @@ def _evaluate(node: ast.AST) -> int | float:
 def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 256) -> Callable[..., str]:
     """A tool ``python(code)`` that runs ``code`` in :mod:`rltune.sandbox` and returns what
     it printed (stdout, then stderr), or why it was stopped. The sandbox failing to start
-    is a harness failure and raises."""
-    from rltune.sandbox import Limits, run_python
+    is a harness failure and raises. The sandbox's mechanism is chosen here, when the
+    environment is built, so that a machine that can only limit resources (no namespaces)
+    is said before the first episode, not during it."""
+    from rltune.sandbox import Limits, isolation, run_python
 
     limits = Limits(wall_s=timeout_s, cpu_s=timeout_s, memory_mb=memory_mb)
+    isolation()  # decided once per process; warns when it is resource limits only
 
     def python(code: str) -> str:
         if not isinstance(code, str):

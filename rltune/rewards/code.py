@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from rltune.data.records import Prompt
 from rltune.rewards.contract import verifier
-from rltune.sandbox import Limits, SandboxError, run_tests
+from rltune.sandbox import Limits, SandboxError, isolation, run_tests
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 _OPEN_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n", re.MULTILINE)
@@ -81,10 +81,14 @@ def code_tests(
 
 
 def _check_code_tests(kwargs: dict) -> None:
+    """The config's kwargs, checked when it loads; the sandbox's mechanism is chosen then
+    too, so that a machine that can only limit resources (no namespaces) is said before
+    the first generation (:func:`rltune.sandbox.isolation` warns once per process)."""
     for key in ("timeout_s", "memory_mb"):
         value = kwargs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"kwargs.{key} must be a number > 0, got {value!r}")
+    isolation()
 
 
 code_tests.check_kwargs = _check_code_tests  # type: ignore[attr-defined]
