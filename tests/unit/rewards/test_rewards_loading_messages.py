@@ -10,33 +10,25 @@ import pytest
 from rltune.rewards.loading import RewardLoadError, load_reward_fn
 
 
-def test_a_missing_function_names_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("source", "asked", "expected"), [
+    ("def brevity(prompt, completion, **meta):\n    return 1.0\n", "brevty",
+     "did you mean 'brevity'? (its functions: brevity)"),
+    # a class is no reward (it is refused by name), so it is neither suggested nor listed
+    ("class Scorer:\n    pass\ndef scorer_v2(prompt, completion, **meta):\n    return 1.0\n", "Scorerr",
+     "did you mean 'scorer_v2'? (its functions: scorer_v2)"),
+])
+def test_a_missing_function_names_the_file_and_suggests_a_function(tmp_path: Path, source, asked, expected) -> None:
     path = tmp_path / "my_rewards.py"
-    path.write_text("def brevity(prompt, completion, **meta):\n    return 1.0\n")
+    path.write_text(source)
     with pytest.raises(RewardLoadError) as info:
-        load_reward_fn(f"{path}:brevty")
-    assert str(info.value) == (
-        f"reward spec '{path}:brevty': file {path} has no attribute 'brevty'; "
-        "did you mean 'brevity'? (its functions: brevity)"
-    )
+        load_reward_fn(f"{path}:{asked}")
+    assert str(info.value) == f"reward spec '{path}:{asked}': file {path} has no attribute '{asked}'; {expected}"
     assert "rltune_user_reward" not in str(info.value)
 
 
 def test_a_missing_function_of_a_module_names_the_module() -> None:
     with pytest.raises(RewardLoadError, match="^reward spec 'builtin:nope': module 'rltune.rewards.builtin' has no"):
         load_reward_fn("builtin:nope")
-
-
-def test_a_reward_spec_suggests_functions_not_classes(tmp_path: Path) -> None:
-    # a class is no reward (it is refused by name), so it is neither suggested nor listed
-    path = tmp_path / "scores.py"
-    path.write_text("class Scorer:\n    pass\ndef scorer_v2(prompt, completion, **meta):\n    return 1.0\n")
-    with pytest.raises(RewardLoadError) as info:
-        load_reward_fn(f"{path}:Scorerr")
-    assert str(info.value) == (
-        f"reward spec '{path}:Scorerr': file {path} has no attribute 'Scorerr'; "
-        "did you mean 'scorer_v2'? (its functions: scorer_v2)"
-    )
 
 
 def test_file_and_import_errors_say_reward_spec(tmp_path: Path) -> None:
