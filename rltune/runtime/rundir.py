@@ -51,6 +51,12 @@ FREE_KEYS = (
     "train.threads",  # speed and memory: the same sums, chunked differently
     "rollout.threads",  # the same: the producer thread's share of the cores
     "train.micro_batch_tokens",
+    "train.logprob_chunk_tokens",
+    "train.activation_checkpointing",  # memory: the same gradients, recomputed
+    "train.checkpoint_every",
+    "train.offload",  # memory: where the states wait between uses
+    "train.compile",  # speed: the same arithmetic, fused
+    "train.parallel.*",  # the learner's layout: a checkpoint loads into another one
     "train.max_nonfinite_steps",  # when to give up on a failing run
     "train.max_reward_error_steps",
     "model.trust_remote_code",  # a permission, not another model
