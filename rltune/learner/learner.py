@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from rltune.config import ConfigError
 from rltune.config.schema import TrainConfig
 from rltune.data.records import TrainBatch
 from rltune.learner.memory import prepare_memory
@@ -108,8 +109,8 @@ class LocalLearner:
         self.schedule = build_schedule(self.optimizer, cfg, updates_per_step=updates_per_step)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.moe = hasattr(model, "config") and is_moe(model)
-        if skip_zero_advantage and self.moe and aux_loss_coef > 0:
-            raise ValueError(
+        if skip_zero_advantage and self.moe and aux_loss_coef > 0:  # the model's own coefficient too
+            raise ConfigError(
                 f"algo.skip_zero_advantage with an MoE model whose router load-balancing loss is on "
                 f"(coefficient {aux_loss_coef}): that loss depends on the routing of every row, so "
                 "skipping a row would change the update; set model.router_aux_loss_coef: 0, or "

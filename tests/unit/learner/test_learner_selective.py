@@ -14,6 +14,7 @@ import fp32_bounds as fp32
 from test_learner_step import ADAM_EPS, LR, Whole, budget_for, grpo_batch
 
 from rltune.algos import ALGORITHMS, config_problems
+from rltune.config import ConfigError
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.records import TrainBatch
 from rltune.learner.learner import LocalLearner
@@ -181,6 +182,6 @@ def test_exact_combinations_are_accepted(overrides: list[str]) -> None:
 
 
 def test_an_moe_model_with_its_own_router_loss_is_refused(tiny_moe_model: torch.nn.Module) -> None:
-    with pytest.raises(ValueError, match="router_aux_loss_coef: 0"):
+    with pytest.raises(ConfigError, match="router_aux_loss_coef: 0"):
         LocalLearner(tiny_moe_model, objective_for("token-mean"), TrainConfig(), aux_loss_coef=0.01,
                      skip_zero_advantage=True)
