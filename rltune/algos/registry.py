@@ -180,10 +180,70 @@ def config_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
         )
     if algorithm.sequence_ratio and a.dual_clip is not None:
         problems.append(f"algo.dual_clip applies to token ratios; {name} clips one ratio per sequence")
+    if algorithm.online:
+        problems.extend(generation_problems(algorithm, cfg))
+    if algorithm.needs_critic and 0 < cfg.train.steps <= a.critic_warmup_steps:
+        problems.append(
+            f"algo.critic_warmup_steps={a.critic_warmup_steps} with train.steps={cfg.train.steps}: only the critic "
+            f"learns during the warm-up, so the policy would never change; set critic_warmup_steps below "
+            f"train.steps, or raise train.steps"
+        )
+    problems.extend(minibatch_problems(algorithm, cfg))
     if a.skip_zero_advantage:
         problems.extend(skip_zero_advantage_problems(algorithm, cfg))
     problems.extend(unused_key_problems(algorithm, cfg))
     return problems
+
+
+def generation_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
+    """What an online ``algorithm`` cannot learn with under ``cfg``: settings that would
+    fail only after a step's generation, or let it learn nothing."""
+    a, name = cfg.algo, algorithm.name
+    problems = []
+    if cfg.rollout.temperature <= 0:
+        problems.append(
+            f"rollout.temperature={cfg.rollout.temperature}: algo.name={name} learns from the log-probs of its "
+            "samples at the sampling temperature, and greedy decoding has none; set rollout.temperature > 0 "
+            "(greedy evaluation is eval.temperature: 0)"
+        )
+    if a.overlong_buffer > cfg.rollout.max_new_tokens:
+        problems.append(
+            f"algo.overlong_buffer={a.overlong_buffer} is longer than rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}: the soft overlong zone is the last overlong_buffer tokens before "
+            f"the limit; set overlong_buffer <= {cfg.rollout.max_new_tokens}"
+        )
+    if a.dynamic_sampling and a.group_size < 2 and not algorithm.group_baseline:
+        problems.append(
+            f"algo.dynamic_sampling keeps only groups whose rewards differ, and a group of algo.group_size="
+            f"{a.group_size} never has two: every batch would be empty; set group_size >= 2, or dynamic_sampling: false"
+        )
+    if cfg.reward and all(r.weight == 0 for r in cfg.reward) and cfg.env.name is None and not a.overlong_buffer:
+        weights = ", ".join(f"reward[{i}].weight={r.weight}" for i, r in enumerate(cfg.reward))
+        problems.append(
+            f"every reward has weight 0 ({weights}) and no env gives rewards: every sample of algo.name={name} "
+            "would score 0 and nothing would be learned; give a reward a nonzero weight"
+        )
+    if a.clip_low >= 1:
+        problems.append(
+            f"algo.clip_low={a.clip_low} puts the ratio's lower clip 1 - clip_low at or below 0, where a ratio "
+            "never falls, so it would never clip; set clip_low below 1 (0.2 is PPO's)"
+        )
+    return problems
+
+
+def minibatch_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
+    """``algo.minibatches`` above the units a step learns on (rows of an online batch,
+    preference pairs, SFT examples): there would be fewer optimizer steps than asked, or
+    empty ones. Judged on the nominal batch; dynamic sampling may learn on fewer rows."""
+    a, n = cfg.algo, cfg.train.prompts_per_step
+    if algorithm.online:
+        units, what, made = n * a.group_size, "rows", f"train.prompts_per_step={n} x algo.group_size={a.group_size}"
+    else:
+        units, what, made = n, "pairs" if algorithm.pairs else "rows", f"train.prompts_per_step={n}"
+    if a.minibatches <= units:
+        return []
+    return [f"algo.minibatches={a.minibatches} is more than the {units} {what} a step learns on ({made}); "
+            f"set minibatches <= {units}, or raise train.prompts_per_step"]
 
 
 # The built-in preference methods' own keys; a registered preference method may read any.
@@ -207,20 +267,45 @@ def _online(algorithm: Algorithm, a: Any) -> str | None:
     return None if algorithm.online else "it learns from a fixed dataset and does not generate"
 
 
+def _divides_by_std(algorithm: Algorithm, a: Any) -> str | None:
+    return _grpo_advantages(algorithm, a) or (
+        None if a.adv_scale == "std" else f"adv_scale is {a.adv_scale}: its advantages are not divided by the std")
+
+
+def _kl_term(algorithm: Algorithm, a: Any) -> str | None:
+    return _online(algorithm, a) or ("kl_coef is 0: there is no KL term" if a.kl_coef == 0 else None) or (
+        "the KL in the reward is k1" if a.kl_in_reward else None)
+
+
+def _kl_in_reward(algorithm: Algorithm, a: Any) -> str | None:
+    # without per-token rewards kl_in_reward: true is refused by config_problems itself
+    if not algorithm.token_rewards or a.kl_coef > 0:
+        return None
+    return "kl_coef is 0: there is no KL to put in the reward"
+
+
+def _kl_horizon(algorithm: Algorithm, a: Any) -> str | None:
+    if not a.kl_in_reward:
+        return "it adapts the KL in the reward (kl_in_reward: true)"
+    return None if a.kl_target is not None else "kl_target is not set: the KL coefficient does not adapt"
+
+
 # When each ``algo`` key is read: None when ``algorithm`` with ``algo`` section ``a`` reads
-# it, else why not. ``algo.epochs`` and ``algo.minibatches`` are read by every algorithm.
+# it, else why not; a rule may depend on the other keys' values (``kl_kind`` is read only
+# with a KL term). ``algo.epochs`` and ``algo.minibatches`` are read by every algorithm.
 _KEY_USE: dict[str, Callable[[Algorithm, Any], str | None]] = {
     "group_size": _online,
     "adv_scale": _grpo_advantages,
-    "adv_eps": _grpo_advantages,
+    "adv_eps": _divides_by_std,
     "clip_low": _online,
     "clip_high": _online,
     "dual_clip": _online,
     "aggregation": _online,
     "kl_coef": _online,
-    "kl_kind": lambda al, a: _online(al, a) or ("the KL in the reward is k1" if a.kl_in_reward else None),
+    "kl_kind": _kl_term,
+    "kl_in_reward": _kl_in_reward,
     "kl_target": lambda al, a: None if a.kl_in_reward else "it adapts the KL in the reward (kl_in_reward: true)",
-    "kl_horizon": lambda al, a: None if a.kl_in_reward else "it adapts the KL in the reward (kl_in_reward: true)",
+    "kl_horizon": _kl_horizon,
     "gamma": lambda al, a: None if al.token_rewards else "it has no per-token returns",
     "lam": lambda al, a: None if al.needs_critic else "it has no critic (GAE)",
     "value_clip": lambda al, a: None if al.needs_critic else "it has no critic",
