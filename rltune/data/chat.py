@@ -49,6 +49,25 @@ from rltune.data.records import Prompt, VisionInputs
 PLAIN_ASSISTANT_CUE = "assistant: "
 
 
+def unencodable(value: str | Sequence[Mapping[str, Any]], what: str) -> str | None:
+    """Why no tokenizer can encode ``value`` (a text, or a content's text and image parts),
+    with ``what`` naming it: ``"WHAT holds a lone surrogate \\ud800 at character N, which no
+    tokenizer encodes"`` (N counted from 1; a part's text named ``part K of WHAT``); None
+    when it can. A lone surrogate (a code point U+D800 to U+DFFF, as a JSON ``\\ud800``
+    escape or text decoded with ``surrogateescape`` gives) has no UTF-8 form."""
+    if not isinstance(value, str):
+        for k, part in enumerate(value, 1):
+            if part.get("type") == "text" and (problem := unencodable(part["text"], f"part {k} of {what}")):
+                return problem
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"{what} holds a lone surrogate \\u{ord(value[err.start]):04x} at character {err.start + 1}, "
+                "which no tokenizer encodes")
+    return None
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` carries a chat template."""
     return bool(getattr(tokenizer, "chat_template", None))

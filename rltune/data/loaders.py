@@ -61,9 +61,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from jinja2 import TemplateError
 
-from rltune.data.chat import encode_completion, encode_prompt, encode_vl_prompt, with_system_prompt
+from rltune.data.chat import encode_completion, encode_prompt, encode_vl_prompt, unencodable, with_system_prompt
 from rltune.data.images import ImageError, decode_image, read_image, split_parts, stray_images
 from rltune.data.records import Prompt, PromptImage, VisionInputs
+from rltune.data.sources import BadRow as _BadRow
 from rltune.data.sources import DataError, RawRow, image_dir, open_source
 
 __all__ = ["DataError", "PromptSet", "load_prompts"]
@@ -94,14 +95,6 @@ class PromptSet:
 
 # A prompt's other fields are given to reward functions as keywords beside these.
 _REWARD_ARGS = frozenset({"prompt", "completion"})
-
-
-class _BadRow(Exception):
-    """A row that fails a check: what is wrong and which setting or fix addresses it."""
-
-    def __init__(self, problem: str, hint: str) -> None:
-        super().__init__(problem)
-        self.problem, self.hint = problem, hint
 
 
 @dataclass(frozen=True)
@@ -147,6 +140,8 @@ def load_prompts(
             f"{'SFT targets' if with_completion else 'preference responses'} end with EOS so the model learns "
             "where a response stops; set `eos_token` in the model's tokenizer_config.json"
         )
+    if problem := unencodable(cfg.system_prompt or "", "data.system_prompt"):
+        raise DataError(f"{problem}; fix the text's encoding")
     name, rows = open_source(source)
     render = _Render(cfg, tokenizer, processor, model, image_dir(source), source)
     prompts: list[Prompt] = []
@@ -276,7 +271,7 @@ def _parse_prompt_field(
     if isinstance(value, str):
         if not value.strip():
             raise _BadRow(f"the prompt field {key!r} is empty", hint)
-        return None, value, []
+        return None, _encodable(value, f"the prompt field {key!r}"), []
     if isinstance(value, list):
         refs: list[Any] = []
         return _parse_messages(value, key, image_refs=refs), None, refs
@@ -314,7 +309,8 @@ def _parse_messages(
                 f"'content', got role={role!r}, content={content!r}",
                 hint,
             )
-        messages.append({"role": role, "content": content})
+        where = f"message {i} of {key!r}"
+        messages.append({"role": _encodable(role, f"the role of {where}"), "content": _encodable(content, where)})
     if not any(_has_content(m["content"]) for m in messages):
         raise _BadRow(f"every message of the field {key!r} is empty", hint)
     return messages
@@ -436,7 +432,7 @@ def _completion_text(row: dict[str, Any], key: str) -> str:
     if not isinstance(value, str) or not value:
         raise _BadRow(f"the completion field {key!r} must be a non-empty string, got {value!r}",
                       hint)
-    return value
+    return _encodable(value, f"the completion field {key!r}")
 
 
 def _response_text(
@@ -453,7 +449,7 @@ def _response_text(
     if isinstance(value, str):
         if not value:
             raise _BadRow(f"the response field {key!r} is an empty string", hint)
-        return value
+        return _encodable(value, f"the response field {key!r}")
     if not isinstance(value, list):
         raise _BadRow(
             f"the response field {key!r} must be a string or a list of {{role, content}} "
@@ -482,6 +478,13 @@ def _response_text(
     if not content:
         raise _BadRow(f"the assistant message of {key!r} is empty", hint)
     return content
+
+
+def _encodable(value: Any, what: str) -> Any:
+    """``value`` (a text or a content's parts), or a bad row if no tokenizer can encode it."""
+    if problem := unencodable(value, what):
+        raise _BadRow(problem, "fix the text's encoding")
+    return value
 
 
 def _check_unique_id(prompt_id: str, number: int, seen: dict[str, int]) -> None:

@@ -20,6 +20,15 @@ class DataError(ValueError):
     """A dataset cannot be used as configured; the message says where and what to change."""
 
 
+class BadRow(Exception):
+    """A row that fails a check: what is wrong and which setting or fix addresses it (the
+    loader adds the source and row, and follows ``data.on_bad_row``)."""
+
+    def __init__(self, problem: str, hint: str) -> None:
+        super().__init__(problem)
+        self.problem, self.hint = problem, hint
+
+
 @dataclass(frozen=True)
 class RawRow:
     """One row of a source: its fields, or why they could not be read."""

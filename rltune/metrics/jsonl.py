@@ -1,10 +1,11 @@
 """JSON-lines files that a training run appends to (``metrics.jsonl``, ``samples.jsonl``):
 the one place they are read, by the dashboard, the report and the CLI.
 
-Every reader turns a line into a row the same way (:func:`parse_line`): a JSON object,
-``NaN``/``Infinity`` as ``null``, blank lines skipped. :class:`JsonlReader` reads a whole
-file once, in order, with line numbers (the report, the CLI). Two readers, both answering
-``read(cursor, limit) -> Chunk``, serve the dashboard:
+Every line is written the same way (:func:`json_line`: UTF-8, a lone surrogate as its
+JSON escape), and every reader turns a line into a row the same way (:func:`parse_line`):
+a JSON object, ``NaN``/``Infinity`` as ``null``, blank lines skipped. :class:`JsonlReader`
+reads a whole file once, in order, with line numbers (the report, the CLI). Two readers,
+both answering ``read(cursor, limit) -> Chunk``, serve the dashboard:
 
 * :class:`JsonlLog` keeps no rows: a cursor is a byte offset, and each read parses the
   lines after it straight from the file. Memory does not grow with the file
@@ -39,6 +40,20 @@ next read, the file was rewritten."""
 
 BACKWARD_BLOCK = 1 << 16
 """Block size for reading a file from its end."""
+
+
+def json_line(record: Any) -> bytes:
+    """``record`` as one line of UTF-8 JSON (ending in a newline), non-ASCII text left
+    readable. A lone surrogate in a string (text decoded with ``surrogateescape``, an
+    error message holding one) cannot be UTF-8: it is written as its JSON escape
+    (``\\ud800``), which :func:`json.loads` reads back as the same string."""
+    return json_bytes(record) + b"\n"
+
+
+def json_bytes(value: Any, **options: Any) -> bytes:
+    """``json.dumps(value, ensure_ascii=False, **options)`` as UTF-8, with each lone
+    surrogate (only ever inside a JSON string) written as its ``\\uXXXX`` escape."""
+    return json.dumps(value, ensure_ascii=False, **options).encode("utf-8", errors="backslashreplace")
 
 
 class CursorError(ValueError):

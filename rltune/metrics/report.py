@@ -391,7 +391,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     charts = write_charts(data, out)
     index = out / "index.html"
     copied = copy_images(data.run_dir, image_paths, out)
-    index.write_text(render_html(data, charts, copied), encoding="utf-8")
+    # a lone surrogate in a sample's text (no UTF-8 for it) shows as its escape, \ud800
+    index.write_text(render_html(data, charts, copied), encoding="utf-8", errors="backslashreplace")
     return index
 
 

@@ -8,7 +8,6 @@ of a chart, and ``metrics.jsonl`` already records that they happened."""
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -22,12 +21,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from rltune.metrics import keys
-from rltune.metrics.jsonl import BLANK, BadLine, parse_line
+from rltune.metrics.jsonl import BLANK, BadLine, json_line, parse_line
 
 
 class JsonlWriter:
     """Appends one JSON object per line, flushed per write so a crash loses nothing
-    already logged. Non-finite floats are written as null (strict JSON).
+    already logged. Non-finite floats are written as null (strict JSON). Each line is
+    encoded whole before any of it is written (:func:`json_line`), so a record that
+    cannot be written leaves no partial line behind.
 
     ``resume_after_step=N`` keeps the file, cut back to step N (:func:`truncate_after_step`);
     a last line cut short by a crash is dropped then, with a warning on stderr, and
@@ -43,10 +44,10 @@ class JsonlWriter:
             self.resume_note = truncate_after_step(self.path, resume_after_step)
             if self.resume_note is not None:
                 print(f"warning: {self.resume_note}", file=sys.stderr)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self.path.open("ab")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_finite(record), ensure_ascii=False) + "\n")
+        self._file.write(json_line(_finite(record)))
         self._file.flush()
 
     def close(self) -> None:

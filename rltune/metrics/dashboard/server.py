@@ -81,7 +81,7 @@ from rltune.metrics import keys
 from rltune.metrics.dashboard.errors import DashboardError
 from rltune.metrics.dashboard.runs import CONFIG_FILE, Run, RunIndex
 from rltune.metrics.images import content_type, resolve_image
-from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail
+from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail, json_bytes
 
 STATIC_DIR = Path(__file__).parent / "static"
 CONTENT_TYPES = {
@@ -415,7 +415,8 @@ class _Handler(BaseHTTPRequestHandler):
                    {"Cache-Control": "private, max-age=86400, immutable"})
 
     def _json(self, body: Any, status: HTTPStatus = HTTPStatus.OK) -> None:
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        # a lone surrogate read back from samples.jsonl is sent as its JSON escape
+        data = json_bytes(body, separators=(",", ":"), allow_nan=False)
         self._send(status, data, "application/json; charset=utf-8", {"Cache-Control": "no-store"})
 
     def _text(self, status: HTTPStatus, text: str, *, extra: dict[str, str] | None = None) -> None:
