@@ -4,21 +4,32 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rltune.config.schema import EvalConfig, RolloutConfig
-from rltune.data.records import Prompt, SamplingParams
+from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.metrics import keys
 from rltune.metrics.types import scalars
+from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.experience import rollout_metrics
 from rltune.runtime.preference import PreferenceParts
 from rltune.runtime.protocols import Generator, Learner, Scorer
 
 
+@dataclass(frozen=True)
+class Evaluated:
+    """A held-out evaluation: its metrics (``eval/...``) and, when it generated, the scored
+    rollouts and the samples each reward function failed on (``failed``: name -> count)."""
+
+    metrics: dict[str, float]
+    rollouts: list[Rollout] = field(default_factory=list)
+    failed: dict[str, float] = field(default_factory=dict)
+
+
 class Evaluation(Protocol):
-    def __call__(self) -> dict[str, float]:
-        """The held-out metrics (``eval/...``) of the learner's current policy."""
+    def __call__(self) -> Evaluated:
+        """The held-out evaluation of the learner's current policy."""
         ...
 
 
@@ -32,7 +43,7 @@ class GeneratedEvaluation:
     eval: EvalConfig
     rollout: RolloutConfig
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self) -> Evaluated:
         return evaluate(
             self.generator, self.scorer, self.prompts,
             max_new_tokens=self.eval.max_new_tokens or self.rollout.max_new_tokens,
@@ -49,11 +60,11 @@ class PreferenceEvaluation:
     parts: PreferenceParts
     learner: Learner
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self) -> Evaluated:
         if not self.parts.eval_prompts:
-            return {}
+            return Evaluated({})
         self.learner.copy_weights_to(self.parts.model)
-        return self.parts.evaluate(self.parts.model)
+        return Evaluated(self.parts.evaluate(self.parts.model))
 
 
 def evaluate(
@@ -66,17 +77,18 @@ def evaluate(
     batch_size: int,
     max_prompts: int | None = None,
     stop: tuple[str, ...] = (),
-) -> dict[str, float]:
-    """One completion per prompt (greedy when ``temperature == 0``); returns the reward
-    statistics under ``eval/`` (``eval/reward/<name>`` is each reward function's mean;
-    ``eval/accuracy`` and ``eval/accuracy/<name>`` when there are verifiers)."""
+) -> Evaluated:
+    """One completion per prompt (greedy when ``temperature == 0``); its metrics are the
+    reward statistics under ``eval/`` (``eval/reward/<name>`` is each reward function's
+    mean; ``eval/accuracy`` and ``eval/accuracy/<name>`` when there are verifiers)."""
     chosen = list(prompts[:max_prompts] if max_prompts is not None else prompts)
     params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
-    rollouts = []
+    rollouts, stats = [], []
     for start in range(0, len(chosen), batch_size):
         part = chosen[start : start + batch_size]
         done = generator.generate(part, params, group_offset=start)
-        scorer.score({p.id: p for p in part}, done)
+        stats.append(scorer.score({p.id: p for p in part}, done))
         rollouts.extend(done)
     metrics = scalars(rollout_metrics(rollouts, group_size=1, accuracy=scorer.accuracy_names))
-    return {keys.eval_key(k): v for k, v in metrics.items()}
+    failed = {name: float(fn.errors.value) for name, fn in ScoreStats.combine(stats).per_fn.items()}
+    return Evaluated({keys.eval_key(k): v for k, v in metrics.items()}, rollouts, failed)

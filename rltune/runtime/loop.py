@@ -13,13 +13,14 @@ from __future__ import annotations
 import torch
 from rich.markup import escape
 
+from rltune.config import ConfigError
 from rltune.data.records import Prompt, Rollout, TrainBatch
 from rltune.metrics import keys
 from rltune.metrics.sinks import ConsoleProgress, truncate_after_step
 from rltune.metrics.types import Aggregator, Last, Metric, Sum
 from rltune.runtime.clock import StepClock
 from rltune.runtime.parts import Run
-from rltune.runtime.reward_errors import RewardErrorLimit, RewardErrorWatch
+from rltune.runtime.reward_errors import RewardErrorLimit, RewardErrorWatch, eval_failures
 from rltune.runtime.sinks import MetricSinks, SampleLog, open_sinks
 from rltune.runtime.state import restore, save
 
@@ -67,15 +68,15 @@ def _train_steps(
             bar.print(escape(note))
         for warning in run.data.warnings:
             bar.print(warning)
-        if progress.step == 0 and run.data.eval_prompts:
-            _log_eval(run, bar, metrics_log)
-        last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
         watch = RewardErrorWatch(cfg.train.max_reward_error_steps, bar.print)
+        if progress.step == 0 and run.data.eval_prompts:
+            _log_eval(run, bar, metrics_log, watch)
+        last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
         while progress.step < last:
             progress.step += 1
             typed = train_step(run, samples_log, watch=watch)
             if cfg.eval.every and progress.step % cfg.eval.every == 0 and progress.step < cfg.train.steps:
-                typed.update(_eval_metrics(run, bar))
+                typed.update(_eval_metrics(run, bar, watch))
             metrics = metrics_log.log(progress.step, typed)
             progress.history.append(metrics)
             bar.update(progress.step, metrics)
@@ -84,14 +85,15 @@ def _train_steps(
             watch.check()
         ran = bool(progress.history)  # a run resumed from its final checkpoint has nothing left to do
         if ran and run.data.eval_prompts and progress.step == cfg.train.steps:
-            _log_eval(run, bar, metrics_log)
+            _log_eval(run, bar, metrics_log, watch)
     return ran
 
 
 def train_step(run: Run, samples_log: SampleLog, *, watch: RewardErrorWatch | None = None) -> dict[str, Metric]:
     """One step: take a batch from the run's source (generated and scored when the
     algorithm is online), learn on it, publish the new weights. Returns the step's
-    metrics, typed. ``watch`` is shown the step's rollouts (reward errors on the console)."""
+    metrics, typed. ``watch`` is shown the step's rollouts (reward errors on the console),
+    and told when the step learned nothing."""
     cfg, step = run.cfg, run.progress.step
     clock = StepClock()
     made = run.source.next(clock)
@@ -117,25 +119,47 @@ def train_step(run: Run, samples_log: SampleLog, *, watch: RewardErrorWatch | No
         keys.SAMPLES_PER_S: len(batch) / step_s,
         keys.TOKENS_PER_S: (generated_tokens or float(batch.loss_mask.sum())) / step_s,
     })
-    return metrics.result()
+    typed = metrics.result()
+    if watch is not None and keys.LEARN_EMPTY_BATCH in typed:
+        watch.learned_nothing(step, _empty_reason(run, batch, typed))
+    return typed
+
+
+def _empty_reason(run: Run, batch: TrainBatch, metrics: dict[str, Metric]) -> str:
+    """Why a step's batch had nothing to learn on, for its warning."""
+    if len(batch):
+        return "no sample has a completion token"
+    if not run.cfg.algo.dynamic_sampling:
+        return "no sample was kept"
+    failed = sum(m.value for k, m in metrics.items() if k.startswith(keys.reward_errors_key("")))
+    errors = f"; {failed:.0f} reward errors" if failed else ""
+    return f"no group kept a reward spread (dynamic sampling{errors})"
+
+
+PAIR = 2
+"""Rows of a preference pair: chosen then rejected, next to each other (``collate_pairs``)."""
 
 
 def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
     """``algo.epochs`` passes over ``batch``, each in ``algo.minibatches`` optimizer steps
     on a shuffled split; the critic (PPO) steps on the same mini-batch first, and during
-    ``algo.critic_warmup_steps`` it is the only one that steps. Returns the metrics of the
-    updates combined, each by its reduction (critic metrics prefixed ``critic/``)."""
+    ``algo.critic_warmup_steps`` it is the only one that steps. A preference method's
+    (chosen, rejected) pairs are shuffled and split whole, each in its order. Returns the
+    metrics of the updates combined, each by its reduction (critic metrics prefixed ``critic/``)."""
     a = run.cfg.algo
     if len(batch) == 0 or batch.loss_mask.shape[1] == 0:  # no rows, or no completion token in any (all failed)
         return {keys.LEARN_EMPTY_BATCH: Sum(1.0)}
+    unit = PAIR if run.spec.algorithm.pairs else 1
+    if unit > 1 and a.minibatches > len(batch) // unit:
+        raise ConfigError(
+            f"algo.minibatches={a.minibatches} is more than the {len(batch) // unit} preference pairs of a "
+            f"step: a mini-batch holds whole pairs; set algo.minibatches to at most {len(batch) // unit} "
+            f"or raise train.prompts_per_step"
+        )
     critic, learner = run.roles.critic, run.roles.learner
     updates = Aggregator()
     for _ in range(a.epochs):
-        order = (
-            torch.randperm(len(batch), generator=run.progress.minibatch_rng)
-            if a.minibatches > 1 else torch.arange(len(batch))
-        )
-        for rows in order.chunk(a.minibatches):
+        for rows in minibatch_rows(len(batch), a.minibatches, run.progress.minibatch_rng, unit=unit):
             mb = batch.select(rows) if a.minibatches > 1 else batch
             if critic is not None:
                 updates.add({keys.critic_key(k): v for k, v in critic.step(mb).items()})
@@ -144,20 +168,39 @@ def learn(run: Run, batch: TrainBatch) -> dict[str, Metric]:
     return updates.result()
 
 
-def _eval_metrics(run: Run, bar: ConsoleProgress) -> dict[str, float]:
+def minibatch_rows(rows: int, minibatches: int, rng: torch.Generator, *, unit: int = 1) -> list[torch.Tensor]:
+    """The row indices of each mini-batch of a batch of ``rows`` rows: its units of ``unit``
+    consecutive rows shuffled by ``rng`` and split ``minibatches`` ways (``Tensor.chunk``:
+    fewer when the units do not fill them), a unit's rows together and in their order. With
+    ``unit=1`` this is ``torch.randperm(rows, generator=rng).chunk(minibatches)``; one
+    mini-batch is every row in order, and draws nothing from ``rng``."""
+    if minibatches <= 1:
+        return [torch.arange(rows)]
+    order = torch.randperm(rows // unit, generator=rng)
+    return [(units[:, None] * unit + torch.arange(unit)).flatten() for units in order.chunk(minibatches)]
+
+
+def _eval_metrics(run: Run, bar: ConsoleProgress, watch: RewardErrorWatch) -> dict[str, float]:
+    """Evaluate held-out, print the scores (and what failed: the first message of each
+    kind of error, and which rewards failed on how many samples); returns the metrics."""
     if run.evaluation is None:
         return {}
     with run.source.evaluating():
-        metrics = run.evaluation()
+        done = run.evaluation()
+    metrics = done.metrics
+    watch.observe_eval(run.step, done.rollouts)
     shown = "  ".join(f"{keys.held_out_label(k)} {metrics[k]:.3f}" for k in keys.held_out_scores(metrics))
     errors_key = keys.eval_key(keys.REWARD_ERRORS)
-    errors = f"  (errors {metrics[errors_key]:.0f})" if metrics.get(errors_key) else ""
-    bar.print(f"eval at step {run.step}: {shown}{errors}")
+    errors = ""
+    if metrics.get(errors_key):
+        failed = eval_failures(done.failed, done.rollouts)
+        errors = f"  (errors {metrics[errors_key]:.0f} of {len(done.rollouts)}{': ' + failed if failed else ''})"
+    bar.print(f"eval at step {run.step}: {shown}{escape(errors)}")
     return metrics
 
 
-def _log_eval(run: Run, bar: ConsoleProgress, log: MetricSinks) -> None:
-    log.log(run.step, _eval_metrics(run, bar))
+def _log_eval(run: Run, bar: ConsoleProgress, log: MetricSinks, watch: RewardErrorWatch) -> None:
+    log.log(run.step, _eval_metrics(run, bar, watch))
 
 
 def _write_samples(
