@@ -29,6 +29,8 @@ class Collector:
         self.data = data
         self.generator = generator
         self.scorer = scorer
+        self.dropped: list[Rollout] = []
+        """The scored rollouts the last :meth:`collect` dropped (dynamic sampling)."""
         r = cfg.rollout
         self.params = SamplingParams(
             n=cfg.algo.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
@@ -55,23 +57,38 @@ class Collector:
         :meth:`draw`).
         """
         a = self.cfg.algo
+        self.dropped = []
         rollouts = self._generate_and_score(prompts, clock, metrics, group_offset=0)
         if not a.dynamic_sampling:
             return prompts, rollouts
         draw = draw if draw is not None else self.draw
         wanted, group = len(prompts), a.group_size
         drawn, rounds = len(prompts), 0
-        kept_prompts, kept = _groups_with_signal(prompts, rollouts, group)
+        kept_prompts, kept = self._groups_with_signal(prompts, rollouts, group)
         while len(kept_prompts) < wanted and rounds < a.max_refill_rounds:
             rounds += 1
             more = draw(wanted - len(kept_prompts))
             new = self._generate_and_score(more, clock, metrics, group_offset=drawn)
             drawn += len(more)
-            more_prompts, more_rollouts = _groups_with_signal(more, new, group)
+            more_prompts, more_rollouts = self._groups_with_signal(more, new, group)
             kept_prompts += more_prompts
             kept += more_rollouts
         metrics.add({keys.GROUPS_KEPT_FRAC: len(kept_prompts) / drawn, keys.GROUPS_REFILL_ROUNDS: float(rounds)})
+        self.dropped += kept[wanted * group:]
         return kept_prompts[:wanted], kept[: wanted * group]
+
+    def _groups_with_signal(
+        self, prompts: list[Prompt], rollouts: list[Rollout], group_size: int
+    ) -> tuple[list[Prompt], list[Rollout]]:
+        """The groups with a reward spread, and their rollouts; the others' rollouts are
+        kept in :attr:`dropped` (their reward errors are still the step's)."""
+        rewards, valid = rewards_tensor(rollouts)
+        keep = groups_with_spread(rewards, group_size, valid=valid).tolist()
+        self.dropped += [r for i, r in enumerate(rollouts) if not keep[i // group_size]]
+        return (
+            [p for p, k in zip(prompts, keep) if k],
+            [r for i, r in enumerate(rollouts) if keep[i // group_size]],
+        )
 
     def _generate_and_score(
         self, prompts: list[Prompt], clock: StepClock, metrics: Aggregator, *, group_offset: int,
@@ -97,14 +114,3 @@ class Collector:
             r.rewards[keys.OVERLONG_REWARD] = p
             if r.reward is not None:
                 r.reward += p
-
-
-def _groups_with_signal(
-    prompts: list[Prompt], rollouts: list[Rollout], group_size: int
-) -> tuple[list[Prompt], list[Rollout]]:
-    rewards, valid = rewards_tensor(rollouts)
-    keep = groups_with_spread(rewards, group_size, valid=valid).tolist()
-    return (
-        [p for p, k in zip(prompts, keep) if k],
-        [r for i, r in enumerate(rollouts) if keep[i // group_size]],
-    )

@@ -99,8 +99,8 @@ def train_step(run: Run, samples_log: SampleLog, *, watch: RewardErrorWatch | No
     made = run.source.next(clock)
     batch, rollouts, metrics = made.batch, made.rollouts, made.metrics
     _write_samples(samples_log, step, made.prompts, rollouts, cfg.log.samples_per_step)
-    if watch is not None:
-        watch.observe(step, rollouts)
+    if watch is not None:  # the dropped groups' errors too: a reward failing everywhere keeps no group
+        watch.observe(step, [*rollouts, *made.dropped])
     metrics.add(learn(run, batch))
     clock.mark("learn")
     run.source.after_update(clock)

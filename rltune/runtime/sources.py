@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -44,6 +44,9 @@ class StepBatch:
     batch: TrainBatch
     metrics: Aggregator
     learner_wait_s: float | None = None
+    dropped: list[Rollout] = field(default_factory=list)
+    """Scored rollouts left out of the batch (dynamic sampling's groups without a spread):
+    their reward errors are the step's too."""
 
 
 class BatchSource(Protocol):
@@ -147,7 +150,8 @@ class OnPolicy(_InTurn):
     def next(self, clock: StepClock) -> StepBatch:
         metrics = Aggregator()
         prompts, rollouts = self.collector.collect(self.collector.draw(self.prompts_per_step), metrics, clock)
-        return StepBatch(prompts, rollouts, self.experience(rollouts, metrics, clock), metrics)
+        return StepBatch(prompts, rollouts, self.experience(rollouts, metrics, clock), metrics,
+                         dropped=self.collector.dropped)
 
 
 class Offline(_InTurn):

@@ -95,6 +95,18 @@ def test_a_reward_failing_on_every_sample_stops_the_run(capsys, tmp_path, reward
     assert (run_dir / "checkpoints" / "step-3" / "COMPLETE").is_file()
 
 
+def test_a_reward_failing_on_every_sample_stops_a_run_that_drops_groups(capsys, tmp_path):
+    """Dynamic sampling drops every group (no valid reward, no spread), and the errors of
+    the dropped groups are still the step's: shown, counted, and stopping the run."""
+    code, printed, _ = _train(capsys, tmp_path, "high", "algo.dynamic_sampling=true", "algo.max_refill_rounds=0")
+    assert code == 2, printed
+    message = "high: returned str 'high' (expected a finite number)"
+    assert f"reward error at step 1 (first of its kind, not repeated): {message}" in printed
+    assert printed.splitlines()[-1].startswith(
+        f"error: the reward failed on every sample of 3 steps in a row (steps 1-3), so the run stopped: {message}."
+    )
+
+
 def test_zero_never_stops(capsys, tmp_path):
     code, printed, run_dir = _train(capsys, tmp_path, "high", "train.max_reward_error_steps=0")
     assert code == 0, printed
