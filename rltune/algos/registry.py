@@ -206,11 +206,11 @@ def generation_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
             "samples at the sampling temperature, and greedy decoding has none; set rollout.temperature > 0 "
             "(greedy evaluation is eval.temperature: 0)"
         )
-    if a.overlong_buffer > cfg.rollout.max_new_tokens:
+    limit_key, limit = overlong_limit(cfg)
+    if a.overlong_buffer > limit:
         problems.append(
-            f"algo.overlong_buffer={a.overlong_buffer} is longer than rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens}: the soft overlong zone is the last overlong_buffer tokens before "
-            f"the limit; set overlong_buffer <= {cfg.rollout.max_new_tokens}"
+            f"algo.overlong_buffer={a.overlong_buffer} is longer than {limit_key}={limit}: the soft overlong "
+            f"zone is the last overlong_buffer tokens before the limit; set overlong_buffer <= {limit}"
         )
     if a.dynamic_sampling and a.group_size < 2 and not algorithm.group_baseline:
         problems.append(
@@ -352,6 +352,16 @@ def unused_key_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
         shown = key if section == "model" else f"{key}={value}"
         problems.append(f"{shown} does not apply to algo.name={algorithm.name} ({why}); remove it")
     return problems
+
+
+def overlong_limit(cfg: Any) -> tuple[str, int]:
+    """The length DAPO's overlong penalty measures a sample against, and its key: a
+    completion's ``rollout.max_new_tokens``, or with an environment the episode's
+    ``env.max_total_tokens`` (an episode's completion holds every turn and observation,
+    and that budget is where it is cut)."""
+    if cfg.env.name is not None:
+        return "env.max_total_tokens", cfg.env.max_total_tokens
+    return "rollout.max_new_tokens", cfg.rollout.max_new_tokens
 
 
 def skip_zero_advantage_problems(algorithm: Algorithm, cfg: Any) -> list[str]:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from rltune.algos import groups_with_spread, overlong_penalty
+from rltune.algos.registry import overlong_limit
 from rltune.config.schema import Config
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.metrics import keys
@@ -104,11 +105,12 @@ class Collector:
         return rollouts
 
     def _apply_overlong_penalty(self, rollouts: list[Rollout]) -> None:
-        """DAPO's soft overlong punishment added to every scored sample (``reward/overlong``)."""
+        """DAPO's soft overlong punishment added to every scored sample (``reward/overlong``),
+        its length measured against :func:`~rltune.algos.registry.overlong_limit`."""
         a = self.cfg.algo
         lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
         penalty = overlong_penalty(
-            lengths, max_len=self.cfg.rollout.max_new_tokens, buffer=a.overlong_buffer, penalty=a.overlong_penalty
+            lengths, max_len=overlong_limit(self.cfg)[1], buffer=a.overlong_buffer, penalty=a.overlong_penalty
         ).tolist()
         for r, p in zip(rollouts, penalty):
             r.rewards[keys.OVERLONG_REWARD] = p
