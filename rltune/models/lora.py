@@ -37,7 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rltune.models.load import ModelLoadError
-from rltune.models.vision import is_vision_language, language_model_prefix
+from rltune.models.vision import is_vision_language, language_model_prefix, vision_modules
 
 if TYPE_CHECKING:
     from rltune.config.schema import LoraConfig
@@ -62,8 +62,9 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig", *, language_model_only
     Raises:
         ModelLoadError: peft is not installed, ``model`` already has adapters, a name
             in ``target_modules``/``modules_to_save`` matches no module of ``model`` (or
-            a module LoRA cannot adapt), or ``cfg.r`` is above the rank of every adapted
-            layer's update (:func:`_check_rank`).
+            a module LoRA cannot adapt) or, with ``language_model_only``, a vision part
+            (:func:`_check_vision_not_saved`), or ``cfg.r`` is above the rank of every
+            adapted layer's update (:func:`_check_rank`).
     """
     peft = _peft()
     if is_lora(model):
@@ -79,6 +80,7 @@ def apply_lora(model: PreTrainedModel, cfg: "LoraConfig", *, language_model_only
                     f"the names of its layers are {', '.join(_leaf_names(model))}"
                 )
     if language_model_only and is_vision_language(model):
+        _check_vision_not_saved(model, to_save)
         targets = language_model_targets(model, targets)
     config = peft.LoraConfig(
         r=cfg.r,
@@ -127,6 +129,32 @@ def _check_rank(model: torch.nn.Module, r: int) -> None:
             f"({name} is {out} x {inp}): every adapter would be over-full and cost more than training its layer in "
             f"full; set model.lora.r <= {min(out, inp)}, or train without LoRA"
         )
+
+
+def _check_vision_not_saved(model: torch.nn.Module, to_save: list[str] | None) -> None:
+    """A ModelLoadError when a ``modules_to_save`` name of a vision-language ``model``
+    matches a module of its vision tower or projector, or one holding them: peft would
+    train a full copy of it, which ``model.freeze_vision`` promises to keep as loaded.
+    Matched by peft's rule for ``modules_to_save``: a module whose name ends with it."""
+    if not to_save:
+        return
+    frozen = {id(module) for module in vision_modules(model).values()}
+    parts = [name for name, module in model.named_modules() if id(module) in frozen]
+    for target in to_save:
+        for name, _ in model.named_modules():
+            part = next((part for part in parts if name and name.endswith(target) and _overlap(name, part)), None)
+            if part is not None:
+                where = "part of" if name == part or name.startswith(f"{part}.") else "holding"
+                raise ModelLoadError(
+                    f"model.lora.modules_to_save: {target!r} names {name} of {type(model).__name__}, {where} its vision "
+                    f"tower or projector {part}, which model.freeze_vision: true keeps fixed; name only modules of the "
+                    f"language model, or set `model.freeze_vision: false` to train the vision parts too"
+                )
+
+
+def _overlap(name: str, part: str) -> bool:
+    """Whether the modules named ``name`` and ``part`` are one inside the other (or the same)."""
+    return name == part or name.startswith(f"{part}.") or part.startswith(f"{name}.")
 
 
 def language_model_targets(model: torch.nn.Module, targets: list[str] | None) -> list[str]:

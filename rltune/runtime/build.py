@@ -20,9 +20,10 @@ from rltune.config import Config, ConfigError, save_resolved_config
 from rltune.config.ignored import unused_setting_problems
 from rltune.data.collate import collate_sft
 from rltune.data.loaders import load_prompts
+from rltune.data.records import Prompt
 from rltune.data.sampler import PromptSampler
 from rltune.envs.loading import load_env_factory
-from rltune.models.load import load_processor, load_tokenizer, resolve_model
+from rltune.models.load import ModelLoadError, load_processor, load_tokenizer, resolve_model
 from rltune.models.lora import adapters_disabled
 from rltune.rewards.scorer import RewardFn, build_reward_fns
 from rltune.runtime.collect import Collector
@@ -31,8 +32,8 @@ from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.parts import Progress, Run, RunData, RunRoles, RunSpec
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, skip_warnings
 from rltune.runtime.roles import (
-    EnvFactory, Roles, is_preference, learner_model, lookup_algorithm, model_positions, plays_episodes,
-    seed_everything,
+    EnvFactory, Roles, check_critic_vocabulary, is_preference, learner_model, lookup_algorithm, model_positions,
+    model_vocab_size, plays_episodes, seed_everything, tokenizer_ids,
 )
 from rltune.runtime.rollouts import thread_shares
 from rltune.runtime.rundir import prepare_run_dir
@@ -71,10 +72,13 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     # a vision-language model's processor renders its prompts; its tokenizer is the run's
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    _check_vocabulary(model_dir, tokenizer)
+    if inputs.algorithm.needs_critic:
+        check_critic_vocabulary(cfg, model_dir, tokenizer)
     preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir, roles.device) if is_preference(cfg) else None
     data = _run_data(cfg, inputs, tokenizer, processor, preference)
-    if inputs.algorithm.online and inputs.make_env is None:
-        _check_positions(cfg, model_dir, data.train_prompts)
+    if inputs.make_env is None:  # an environment's episodes are held to the positions as they are played
+        _check_positions(cfg, model_dir, inputs.algorithm.online, data)
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
@@ -89,21 +93,88 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     )
 
 
-def _check_positions(cfg: Config, model_dir: str, prompts: list) -> None:
-    """A ConfigError when the longest prompt and ``rollout.max_new_tokens`` need more
-    positions than the model has (:func:`~rltune.runtime.roles.model_positions`):
-    generation would fail or, on the CPU's decoder that reserves its cache up front,
-    exhaust memory."""
+def _check_vocabulary(model_dir: str, tokenizer: "PreTrainedTokenizerBase") -> None:
+    """A ModelLoadError when ``tokenizer`` has ids past the rows of the model's embedding
+    (:func:`~rltune.runtime.roles.model_vocab_size`): a prompt or completion holding one
+    would index past it. More rows than ids is normal (a vocabulary padded to a round size)."""
+    rows, ids = model_vocab_size(model_dir), tokenizer_ids(tokenizer)
+    if rows is not None and ids > rows:
+        raise ModelLoadError(
+            f"model.path: the tokenizer in {model_dir} has {ids} token ids but the model's embedding has {rows} rows "
+            f"(vocab_size in {Path(model_dir) / 'config.json'}), so a token with an id from {rows} up would index past "
+            f"it; save the model's own tokenizer there, or resize the model's embeddings to {ids} rows "
+            f"(`model.resize_token_embeddings({ids})`) and save the model again"
+        )
+
+
+def _check_positions(cfg: Config, model_dir: str, online: bool, data: RunData) -> None:
+    """A ConfigError when the run's sequences need more positions than the model has
+    (:func:`~rltune.runtime.roles.model_positions`). A generated sequence (online: the
+    train prompts with ``rollout.max_new_tokens``; held-out evaluation by generating: the
+    eval prompts with its new tokens) would fail or, on the CPU's decoder that reserves
+    its cache up front, exhaust memory. An offline row (SFT's prompt and completion, a
+    preference pair's prompt and longer response) would train on positions past the
+    model's (an IndexError for learned positions)."""
     limit = model_positions(model_dir)
     if limit is None:
         return
+    where = f"max_position_embeddings in {Path(model_dir) / 'config.json'}"
+    if online:
+        _check_generated(data.train_prompts, f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", "prompts",
+                         cfg.rollout.max_new_tokens, (limit, where))
+    elif not is_preference(cfg):
+        _check_rows(data.train_prompts, f"data.train={cfg.data.train}", (limit, where))
+    if data.eval_prompts is None or is_preference(cfg):  # a preference run's pairs: _check_pairs
+        return
+    new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    key = (f"eval.max_new_tokens={new}" if cfg.eval.max_new_tokens else
+           f"eval.max_new_tokens (unset: rollout.max_new_tokens={new})")
+    _check_generated(data.eval_prompts[: cfg.eval.max_prompts], key, f"eval prompts (data.eval={cfg.data.eval})", new,
+                     (limit, where), fix="lower eval.max_new_tokens or data.max_prompt_tokens")
+
+
+def _check_pairs(cfg: Config, model_dir: str, train: list[Prompt], held_out: list[Prompt] | None) -> None:
+    """:func:`_check_positions` for a preference run's pairs, called as they load: before
+    the model loads and DPO's reference log-probs are computed and written."""
+    limit = model_positions(model_dir)
+    if limit is None:
+        return
+    where = (limit, f"max_position_embeddings in {Path(model_dir) / 'config.json'}")
+    _check_rows(train, f"data.train={cfg.data.train}", where)
+    if held_out is not None:
+        _check_rows(held_out, f"data.eval={cfg.data.eval}", where)
+
+
+def _check_generated(prompts: list[Prompt], key: str, what: str, new_tokens: int, limit: tuple[int, str], *,
+                     fix: str = "lower rollout.max_new_tokens or data.max_prompt_tokens") -> None:
+    """A ConfigError when the longest of ``prompts`` followed by ``new_tokens`` generated
+    tokens needs more positions than ``limit`` (the count, and where it is read from)."""
     longest = max((len(p.input_ids) for p in prompts if p.input_ids is not None), default=0)
-    if longest + cfg.rollout.max_new_tokens > limit:
+    if longest + new_tokens > limit[0]:
         raise ConfigError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} after prompts of up to {longest} tokens needs "
-            f"{longest + cfg.rollout.max_new_tokens} positions, but the model has {limit} "
-            f"(max_position_embeddings in {Path(model_dir) / 'config.json'}); lower rollout.max_new_tokens "
-            f"or data.max_prompt_tokens"
+            f"{key} after {what} of up to {longest} tokens needs {longest + new_tokens} positions, but the model "
+            f"has {limit[0]} ({limit[1]}); {fix}"
+        )
+
+
+def _check_rows(prompts: list[Prompt], key: str, limit: tuple[int, str]) -> None:
+    """A ConfigError when rows of offline data (prompt and target completion, or prompt and
+    the longer of a pair's responses) are longer than ``limit`` positions."""
+    def response(p: Prompt) -> int:
+        meta = p.meta
+        return len(meta["completion_ids"]) if "completion_ids" in meta else max(
+            len(meta.get("chosen_ids", ())), len(meta.get("rejected_ids", ())))
+
+    lengths = {p.id: (len(p.input_ids), response(p)) for p in prompts if p.input_ids is not None}
+    over = [i for i, (prompt, resp) in lengths.items() if prompt + resp > limit[0]]
+    if over:
+        worst = max(over, key=lambda i: sum(lengths[i]))
+        prompt, resp = lengths[worst]
+        what = "completion" if any("completion_ids" in p.meta for p in prompts) else "longer response"
+        raise ConfigError(
+            f"{key}: {len(over)} row(s) are longer than the model's {limit[0]} positions ({limit[1]}); the longest, "
+            f"{worst}, has {prompt} prompt + {resp} {what} tokens = {prompt + resp}; shorten or drop the rows over "
+            f"{limit[0]} tokens (prompt and {what} together), or use a model with more positions"
         )
 
 
@@ -153,6 +224,7 @@ def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokeniz
     return build_preference_parts(
         cfg, model_dir=model_dir, tokenizer=tokenizer, processor=processor, run_dir=run_dir,
         reference_context=adapters_disabled if model is not None else None, model=model, device=device,
+        check_rows=partial(_check_pairs, cfg, model_dir),
     )
 
 

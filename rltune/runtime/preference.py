@@ -64,6 +64,7 @@ def build_preference_parts(
     reference_context: ContextFactory | None = None,
     model: torch.nn.Module | None = None,
     device: torch.device | None = None,
+    check_rows: Callable[[list[Prompt], list[Prompt] | None], None] | None = None,
 ) -> PreferenceParts:
     """Load the pair data and the model for ``cfg.algo.name`` and wire them.
 
@@ -74,13 +75,16 @@ def build_preference_parts(
     pair are read from or written to ``run_dir / reference_logps.safetensors``, so call
     this before any training step or checkpoint restore. ``processor``: a vision-language
     model's processor, which renders the prompts and their images (:func:`load_prompts`).
-    ``device``: where the model computes (None: where it is).
+    ``device``: where the model computes (None: where it is). ``check_rows(train, eval)``
+    is called on the loaded pairs before the model loads or any reference is computed.
     """
     method = preference_method(cfg.algo.name)
     vl = {"processor": processor, "model": cfg.model.path}
     train_set = load_prompts(cfg.data.train, cfg.data, tokenizer, with_pairs=True, **vl)
     eval_set = load_prompts(cfg.data.eval, cfg.data, tokenizer, with_pairs=True, **vl) if cfg.data.eval else None
     eval_prompts = eval_set.prompts[: cfg.eval.max_prompts] if eval_set else None
+    if check_rows is not None:
+        check_rows(train_set.prompts, eval_prompts)
     if model is None:
         model = load_preference_model(cfg, model_dir)
     if device is not None:

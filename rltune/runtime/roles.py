@@ -33,7 +33,9 @@ from rltune.learner.parallel import NoParallelism
 from rltune.learner.preference import PREFERENCE_METHODS, preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
 from rltune.models.chunked import set_logprob_chunk_tokens
-from rltune.models.load import ModelLoadError, is_moe, load_model, router_aux_loss_coef
+from rltune.models.load import (
+    TOKENIZER_FILES, ModelLoadError, is_moe, load_model, load_tokenizer, resolve_model, router_aux_loss_coef,
+)
 from rltune.models.lora import apply_lora, is_lora
 from rltune.models.routing import install_routing
 from rltune.models.vision import freeze_vision, is_vision_language
@@ -202,7 +204,7 @@ def critic_learner(cfg: Config, model_dir: str, device: torch.device | None = No
     on ``device`` (None: where it loads, the CPU)."""
     try:
         critic = load_critic(
-            cfg.model.critic_path or model_dir, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+            critic_dir(cfg, model_dir), dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
     except ModelLoadError as err:
         if cfg.model.critic_path is None:
@@ -217,20 +219,95 @@ def critic_learner(cfg: Config, model_dir: str, device: torch.device | None = No
                         parallelism=NoParallelism(device), updates_per_step=updates)
 
 
+def critic_dir(cfg: Config, model_dir: str) -> str:
+    """The directory PPO's critic starts from: ``model.critic_path`` (a ``builtin:`` name
+    built as for ``model.path``), else the policy's ``model_dir``."""
+    return resolve_model(cfg.model.critic_path) if cfg.model.critic_path else model_dir
+
+
+def check_critic_vocabulary(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase") -> None:
+    """A ModelLoadError when the critic of ``model.critic_path`` cannot read the policy's
+    tokens: its embedding (``vocab_size`` of its ``config.json``) has fewer rows than the
+    policy's ``tokenizer`` has ids, or its directory holds a tokenizer with another
+    vocabulary (the same ids would be other tokens). Without ``model.critic_path`` the
+    critic is the policy's own model and nothing is checked here."""
+    if cfg.model.critic_path is None:
+        return
+    try:
+        critic = critic_dir(cfg, model_dir)
+    except ModelLoadError as err:
+        raise ModelLoadError(f"model.critic_path: {err}".replace("`model.path`", "`model.critic_path`")) from err
+    fix = ("set model.critic_path to a model with the policy's tokenizer, or leave it unset to start the critic "
+           "from model.path")
+    ids, rows = tokenizer_ids(tokenizer), model_vocab_size(critic)
+    if rows is not None and rows < ids:
+        raise ModelLoadError(
+            f"model.critic_path: the critic's embedding has {rows} rows (vocab_size in {Path(critic) / 'config.json'}) "
+            f"but the policy's tokenizer (model.path: {model_dir}) has {ids} ids, so ids from {rows} up would index "
+            f"past it; {fix}"
+        )
+    if not any((Path(critic) / name).is_file() for name in TOKENIZER_FILES):
+        return  # no tokenizer of its own: its rows are read as the policy's ids
+    try:
+        own = load_tokenizer(critic, trust_remote_code=cfg.model.trust_remote_code).get_vocab()
+    except ModelLoadError as err:
+        raise ModelLoadError(f"model.critic_path: {err}") from err
+    policy = tokenizer.get_vocab()
+    if own != policy:
+        raise ModelLoadError(
+            f"model.critic_path: the tokenizer in {critic} differs from the policy's (model.path: {model_dir}): "
+            f"{_vocab_difference(own, policy)}, so the critic would value other tokens than the policy "
+            f"generates; {fix}"
+        )
+
+
+def _vocab_difference(critic: dict[str, int], policy: dict[str, int]) -> str:
+    """One token on which two different vocabularies disagree, in words."""
+    only = sorted(set(critic) ^ set(policy))
+    if only:
+        token = only[0]
+        return (f"{len(critic)} and {len(policy)} tokens, {token!r} only in the "
+                f"{'critic' if token in critic else 'policy'}'s")
+    token = min(t for t in critic if critic[t] != policy[t])
+    return f"token {token!r} is id {critic[token]} in the critic's and {policy[token]} in the policy's"
+
+
+def tokenizer_ids(tokenizer: "PreTrainedTokenizerBase") -> int:
+    """How many embedding rows ``tokenizer``'s ids need: its size, or its highest id + 1."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
 def model_positions(model_dir: str) -> int | None:
     """The positions the model in ``model_dir`` has (``max_position_embeddings`` of its
     ``config.json``, a vision-language model's text config's); None when it cannot be
     read here (a remote-code model's own files) or the model has ``rope_scaling``, which
     may go past it."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    config, text = _model_config(model_dir)
     limit = text.get("max_position_embeddings")
     if not isinstance(limit, int) or text.get("rope_scaling") or config.get("rope_scaling"):
         return None
     return limit
+
+
+def model_vocab_size(model_dir: str) -> int | None:
+    """The rows of the input embedding of the model in ``model_dir`` (``vocab_size`` of its
+    ``config.json``, a vision-language model's text config's when it has one); None when
+    it cannot be read here."""
+    config, text = _model_config(model_dir)
+    rows = text.get("vocab_size", config.get("vocab_size"))
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
+
+
+def _model_config(model_dir: str) -> tuple[dict, dict]:
+    """``(config, text config)`` of ``model_dir``'s ``config.json`` (the text config is the
+    config itself but for a vision-language model); empty when it cannot be read."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, {}
+    if not isinstance(config, dict):
+        return {}, {}
+    return config, config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def make_generator(cfg: Config, model_dir: str, model: torch.nn.Module | None,
@@ -273,7 +350,8 @@ def local_scorer(cfg: Config, reward_fns: list[RewardFn]) -> LocalScorer:
 
 
 __all__ = [
-    "Roles", "aux_loss_coef", "critic_learner", "is_preference", "learner_model", "learner_objective",
-    "learner_options", "load_policy", "load_reference_model", "local_scorer", "lookup_algorithm", "model_positions", "plays_episodes",
-    "make_generator", "model_logprobs", "reference_options", "seed_everything",
+    "Roles", "aux_loss_coef", "check_critic_vocabulary", "critic_dir", "critic_learner", "is_preference",
+    "learner_model", "learner_objective", "learner_options", "load_policy", "load_reference_model", "local_scorer",
+    "lookup_algorithm", "make_generator", "model_logprobs", "model_positions", "model_vocab_size", "plays_episodes",
+    "reference_options", "seed_everything", "tokenizer_ids",
 ]
