@@ -84,13 +84,24 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
     save_resolved_config(cfg, run_dir)
     return Run(
-        spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=(moved,) if moved else ()),
+        spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=tuple(n for n in (moved, _bf16_weights_note(cfg)) if n)),
         data=data,
         roles=run_roles,
         source=_batch_source(cfg, inputs.algorithm, data, run_roles, preference, producer_threads),
         evaluation=_evaluation(cfg, data, run_roles, preference),
         progress=Progress(streams=roles.streams({"sampling": sampling, "minibatch": minibatch}), minibatch_rng=minibatch),
     )
+
+
+def _bf16_weights_note(cfg: Config) -> str | None:
+    """A line when the trained weights themselves are bf16 (``model.dtype: bfloat16``): with
+    no fp32 master copy an update below about 1/256 of a weight rounds away. (LoRA's
+    adapters are fp32 over the frozen bf16 weights.)"""
+    if cfg.model.dtype != "bfloat16" or cfg.train.steps == 0 or cfg.model.lora is not None:
+        return None
+    return ("note: model.dtype=bfloat16 trains bf16 weights with no fp32 copy, so updates smaller than about "
+            "1/256 of a weight round away; for bf16 arithmetic on fp32 weights set model.dtype: float32 and "
+            "train.precision: bf16")
 
 
 def _check_vocabulary(model_dir: str, tokenizer: "PreTrainedTokenizerBase") -> None:
