@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rltune.checkpoint.store import CheckpointError, check_json
 from rltune.models.lora import is_lora
+from rltune.parallel.layout import LORA_LAYOUTS
 
 FORMAT = "dcp"
 """``meta[...model]["format"]`` of a sharded checkpoint (beside ``full`` and
@@ -61,8 +62,7 @@ def refuse_lora(model: torch.nn.Module, where: str) -> None:
     if is_lora(model):
         raise CheckpointError(
             f"{where}: sharded checkpoints of a LoRA model are not supported (its checkpoint holds the "
-            "adapters and a fingerprint of the frozen weights, which a sharded model cannot give); train "
-            "LoRA with train.parallel all 1 but dp_replicate, or runtime.placement.learner_strategy: ddp"
+            f"adapters and a fingerprint of the frozen weights, which a sharded model cannot give); {LORA_LAYOUTS}"
         )
 
 

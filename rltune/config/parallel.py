@@ -7,13 +7,17 @@ size and the model before anything is loaded.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Degree = Annotated[int, Field(ge=1, strict=True)]
+"""A number of ranks: a whole number, at least 1 (``true`` or ``2.0`` are not taken for one)."""
 
 
 class ParallelConfig(_Section):
@@ -21,18 +25,18 @@ class ParallelConfig(_Section):
     ranks; the product is the group's size (``runtime.placement.learners`` on Ray, the
     number of processes under torchrun)."""
 
-    dp_replicate: int = Field(1, ge=1)
+    dp_replicate: Degree = 1
     """Data-parallel replicas: each holds the whole (tp/pp/ep-sharded) model and its own
     rows; gradients are all-reduced (DDP; HSDP together with ``dp_shard``)."""
-    dp_shard: int | Literal["auto"] = "auto"
+    dp_shard: Degree | Literal["auto"] = "auto"
     """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2);
     ``auto``: what is left of the world after the other degrees."""
-    tp: int = Field(1, ge=1)
+    tp: Degree = 1
     """Tensor parallelism: attention heads, MLP columns and the vocabulary split over this
     many ranks, which see the same rows."""
-    pp: int = Field(1, ge=1)
+    pp: Degree = 1
     """Pipeline stages: the layers split into this many consecutive stages."""
-    ep: int = Field(1, ge=1)
+    ep: Degree = 1
     """Expert parallelism (MoE models): the experts split over this many ranks, tokens sent
     to their experts by all-to-all; the ranks train on different rows (data parallel for
     every weight but the experts)."""
@@ -42,6 +46,14 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = False
     """With ``tp`` > 1: the norms and residual stream sharded over the sequence between
     the tensor-parallel regions (less activation memory, the same result)."""
+
+    @field_validator("dp_shard", mode="before")
+    @classmethod
+    def _dp_shard(cls, value: object) -> object:
+        """One message for a value that is neither (rather than one per member of the union)."""
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(f"must be a whole number >= 1 or 'auto' (got {value!r})")
 
 
 class MoeConfig(_Section):

@@ -49,7 +49,7 @@ class TrainConfig(_Section):
     """Keep state on the host: ``optimizer`` (AdamW's moments and step, for a learner
     holding the whole model on a GPU: one process or DDP), ``params`` (FSDP2's CPU offload
     of sharded parameters, gradients and optimizer state: ``learner_strategy: fsdp2`` or
-    ``train.parallel`` with ``dp_shard > 1``)."""
+    ``train.parallel`` with ``dp_shard > 1``, on learners with a GPU)."""
     compile: bool = False
     """``torch.compile`` the learner's training forward and backward, one transformer block
     at a time (``rltune/learner/compiled.py``); with one process, DDP or FSDP2, not with
@@ -102,9 +102,10 @@ def memory_problems(train: TrainConfig) -> list[str]:
 
 def offload_problems(train: TrainConfig, *, mode: str, device: str, learners: int, learner_strategy: str,
                      learner_gpus: float) -> list[str]:
-    """``train.offload: params`` without a learner group that shards parameters;
-    ``optimizer`` without a learner that holds the whole model on a GPU (``device``: the
-    local runtime's ``runtime.device``)."""
+    """``train.offload: params`` without a learner group that shards parameters on GPUs
+    (Ray learners without a GPU hold their shards in host memory already); ``optimizer``
+    without a learner that holds the whole model on a GPU (``device``: the local runtime's
+    ``runtime.device``)."""
     if train.offload == "optimizer":
         return _optimizer_offload_problems(train, mode=mode, device=device, learner_strategy=learner_strategy,
                                            learner_gpus=learner_gpus)
@@ -124,6 +125,11 @@ def offload_problems(train: TrainConfig, *, mode: str, device: str, learners: in
         return ["train.offload: params is FSDP2's CPU offload of sharded parameters: it needs runtime.mode: ray "
                 "with runtime.placement.learners > 1 and learner_strategy: fsdp2 (or train.parallel dp_shard > 1); "
                 f"this run has mode {mode!r}, {learners} learner(s), strategy {learner_strategy!r}"]
+    if learner_gpus <= 0:
+        return ["train.offload: params moves FSDP2's sharded parameters, gradients and optimizer state from the "
+                "learners' GPUs to host memory, but the learners reserve no GPU (runtime.placement.learner.gpus: 0), "
+                "so they train on the CPU, where the shards are in host memory already; set "
+                "runtime.placement.learner.gpus > 0, or set train.offload: none"]
     return []
 
 

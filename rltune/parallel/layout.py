@@ -11,7 +11,7 @@ Back-compatibility: a config that sets nothing under ``train.parallel`` keeps th
 meaning of ``runtime.placement.learner_strategy``: ``ddp`` is ``dp_replicate = world``,
 ``fsdp2`` is ``dp_shard = world`` (:func:`layout_for`). As soon as one key of
 ``train.parallel`` is set, the layout is ``train.parallel``'s and ``learner_strategy``
-is not read.
+is not read (``fsdp2`` beside it is refused by :func:`run_layout`: it would do nothing).
 """
 
 from __future__ import annotations
@@ -26,8 +26,24 @@ MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 DATA_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
 """The dims whose ranks train on different rows (the data rank is their flattened index)."""
 
+_DEFAULT_SCHEDULE = "1f1b"
 _WORLD_SOURCE = "runtime.placement.learners on Ray; WORLD_SIZE or 1 process locally"
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+# What pipeline stages cannot do, told before any model loads (:func:`run_layout`) and, as
+# a last guard, by ``rltune/parallel/pipeline.py`` where the stages are built and run.
+PP_AUX_LOSS = ("train.parallel.pp > 1 does not gather MoE router logits across stages, so it cannot add the "
+               "load-balancing loss (coefficient {coef}): set model.router_aux_loss_coef: 0 (or train.parallel.pp: 1)")
+PP_ROUTING_REPLAY = ("train.parallel.pp > 1 does not replay recorded MoE routes (the stages' routers are not "
+                     "given them): set model.moe.routing_replay: off, or train.parallel.pp: 1")
+PP_AUX_FREE_BIAS = ("model.moe.aux_free_bias moves each router's bias by the step's expert load, which "
+                    "train.parallel.pp > 1 does not gather across stages: set it to 0, or pp: 1")
+PP_SEQUENCE_PARALLEL = ("train.parallel: pp > 1 with tp > 1 sends replicated hidden states between stages; "
+                        "sequence_parallel (sequence-sharded ones) is not supported with pp: set it to false")
+LORA_LAYOUTS = ("train LoRA on Ray with runtime.placement.learner_strategy: ddp and no train.parallel key, "
+                "or in one process (runtime.mode: local)")
+"""Where a LoRA model's checkpoint (its adapters and a fingerprint of the frozen base
+weights, which only a learner holding the whole model can give) can be written."""
 
 
 class LayoutError(ValueError):
@@ -44,7 +60,7 @@ class Layout:
     ep: int = 1
     tp: int = 1
     pp: int = 1
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = _DEFAULT_SCHEDULE
     sequence_parallel: bool = False
 
     @property
@@ -72,21 +88,33 @@ def resolve_layout(parallel_cfg: Any, world: int) -> Layout:
     ranks. ``dp_shard: auto`` takes what the other degrees leave, which must divide the
     world exactly; an explicit ``dp_shard`` is taken as is (:func:`layout_problems` then
     says whether the product is the world)."""
+    layout, problem = _resolve(parallel_cfg, world)
+    if problem is not None:
+        raise LayoutError(problem)
+    return layout
+
+
+def _resolve(parallel_cfg: Any, world: int) -> tuple[Layout, str | None]:
+    """:func:`resolve_layout`, with the reason ``dp_shard: auto`` cannot be resolved
+    returned (``dp_shard`` is then 1) instead of raised, so that it can be told together
+    with the layout's other problems."""
     others = parallel_cfg.dp_replicate * parallel_cfg.tp * parallel_cfg.pp * parallel_cfg.ep
-    dp_shard = parallel_cfg.dp_shard
+    dp_shard, problem = parallel_cfg.dp_shard, None
     if dp_shard == "auto":
+        dp_shard = world // others
         if world % others:
-            raise LayoutError(
+            dp_shard = 1
+            problem = (
                 f"train.parallel.dp_shard=auto: the world of {world} learner rank(s) is not a multiple of "
                 f"dp_replicate*tp*pp*ep = {parallel_cfg.dp_replicate}*{parallel_cfg.tp}*{parallel_cfg.pp}*"
                 f"{parallel_cfg.ep} = {others}; make the learner count a multiple of {others} or lower those degrees"
             )
-        dp_shard = world // others
-    return Layout(
+    layout = Layout(
         dp_replicate=parallel_cfg.dp_replicate, dp_shard=int(dp_shard), ep=parallel_cfg.ep,
         tp=parallel_cfg.tp, pp=parallel_cfg.pp, pp_schedule=parallel_cfg.pp_schedule,
         sequence_parallel=parallel_cfg.sequence_parallel,
     )
+    return layout, problem
 
 
 def layout_for(cfg: Any, world: int) -> Layout:
@@ -115,6 +143,11 @@ def layout_problems(layout: Layout, world: int, model_config: Any) -> list[str]:
     if layout.sequence_parallel and layout.tp == 1:
         problems.append("train.parallel.sequence_parallel=true needs tp > 1 (it shards the tensor-parallel "
                         "regions' activations over the sequence); set tp or sequence_parallel=false")
+    elif layout.sequence_parallel and layout.pp > 1:
+        problems.append(PP_SEQUENCE_PARALLEL)
+    if layout.pp == 1 and layout.pp_schedule != _DEFAULT_SCHEDULE:
+        problems.append(f"train.parallel.pp_schedule={layout.pp_schedule} schedules pipeline stages, but pp=1 "
+                        "has none; set pp > 1, or remove pp_schedule")
     if model_config is not None:
         problems += _model_problems(layout, model_config)
     return problems
@@ -170,9 +203,13 @@ def run_world(cfg: Any) -> int:
         return cfg.runtime.placement.learners
     value = os.environ.get("WORLD_SIZE", "1")
     try:
-        return int(value)
+        world = int(value)
     except ValueError:
         raise LayoutError(f"environment variable WORLD_SIZE={value!r} is not an integer") from None
+    if world < 1:
+        raise LayoutError(f"environment variable WORLD_SIZE={value!r}: the number of processes must be at least 1; "
+                          "unset WORLD_SIZE (one process) or set it to the number of processes started")
+    return world
 
 
 def model_config_of(model_path: str, *, trust_remote_code: bool = False) -> Any:
@@ -205,11 +242,11 @@ def model_config_of(model_path: str, *, trust_remote_code: bool = False) -> Any:
 
 def run_layout(cfg: Any) -> Layout:
     """The checked layout of a run config, before any model is loaded: the world of
-    :func:`run_world`, :func:`layout_for`, and the model's shapes from its config alone.
-    Raises :class:`LayoutError` naming every problem; also for a local run started as
-    several processes (torchrun), which the local runtime cannot make one group of."""
+    :func:`run_world`, :func:`layout_for`, the model's shapes from its config alone, and
+    what the rest of the config asks of the layout (:func:`config_problems`). Raises
+    :class:`LayoutError` naming every problem; also for a local run started as several
+    processes (torchrun), which the local runtime cannot make one group of."""
     world = run_world(cfg)
-    layout = layout_for(cfg, world)
     if cfg.runtime.mode != "ray" and world > 1:
         # the local runtime trains in this one process: it would not join the group
         raise LayoutError(
@@ -217,10 +254,115 @@ def run_layout(cfg: Any) -> Layout:
             f"group, so {world} processes would train {world} separate copies; run one process, or set "
             f"runtime.mode=ray with runtime.placement.learners={world}"
         )
-    if layout.tp == layout.pp == layout.ep == 1:  # nothing to check against the model's shapes
-        return check_layout(layout, world, None)
-    trust = bool(getattr(cfg.model, "trust_remote_code", False))
-    return check_layout(layout, world, model_config_of(cfg.model.path, trust_remote_code=trust))
+    parallel, local = cfg.train.parallel, cfg.runtime.mode != "ray"
+    layout, unresolved = _resolve(parallel, world) if parallel.model_fields_set else (layout_for(cfg, world), None)
+    if local and _asked_world(parallel) > 1:  # no group to size: say how to get one
+        problems = [_local_problem(parallel)]
+    else:
+        problems = [] if unresolved is None else [unresolved]
+    model_config = None
+    if not layout.tp == layout.pp == layout.ep == 1:  # else nothing to check against the model's shapes
+        trust = bool(getattr(cfg.model, "trust_remote_code", False))
+        model_config = model_config_of(cfg.model.path, trust_remote_code=trust)
+    # the product is the world's only where the run has a group of that size and auto resolved
+    problems += layout_problems(layout, layout.world if local or unresolved else world, model_config)
+    problems += config_problems(cfg, layout, model_config, resolved=unresolved is None)
+    if problems:
+        degrees = layout.describe()
+        if unresolved is not None:  # dp_shard=1 stands in for an auto that did not divide the world
+            degrees = degrees.replace("dp_shard=1", "dp_shard=auto")
+        raise LayoutError(f"the learner layout ({degrees}) cannot run: " + "; ".join(problems))
+    return layout
+
+
+def _asked_world(parallel: Any) -> int:
+    """The ranks ``train.parallel`` asks for at least (``dp_shard: auto`` counted as 1)."""
+    shard = 1 if parallel.dp_shard == "auto" else parallel.dp_shard
+    return parallel.dp_replicate * shard * parallel.tp * parallel.pp * parallel.ep
+
+
+def _local_problem(parallel: Any) -> str:
+    """Why a local run cannot have the degrees ``train.parallel`` sets above 1."""
+    asked = _asked_world(parallel)
+    degrees = ", ".join(f"{dim}={getattr(parallel, dim)}" for dim in MESH_DIMS
+                        if getattr(parallel, dim) != "auto" and getattr(parallel, dim) > 1)
+    more = f" (or a multiple of {asked}: dp_shard: auto takes the rest)" if parallel.dp_shard == "auto" else ""
+    return (f"train.parallel {degrees} needs a learner group of {asked} ranks, but runtime.mode=local trains the "
+            f"learner in one process; set runtime.mode: ray with runtime.placement.learners={asked}{more}, or "
+            "those degrees to 1")
+
+
+def config_problems(cfg: Any, layout: Layout, model_config: Any, *, resolved: bool = True) -> list[str]:
+    """What the rest of the run config ``cfg`` asks that ``layout`` cannot give, one line
+    each: LoRA where the learners cannot write its checkpoint, ``learner_strategy: fsdp2``
+    that a ``train.parallel`` layout leaves unread, and the MoE and LoRA options pipeline
+    stages cannot run (``model_config``: the model's Hugging Face config, read when
+    ``pp`` > 1). ``resolved``: ``layout`` is the one the run would train with (not a
+    stand-in for a ``dp_shard: auto`` that did not divide the world)."""
+    problems = _lora_problems(cfg)
+    parallel = cfg.train.parallel
+    if parallel.model_fields_set and cfg.runtime.placement.learner_strategy == "fsdp2":
+        shard = f"dp_shard={parallel.dp_shard}"
+        if resolved and parallel.dp_shard == "auto":
+            shard += f" = {layout.dp_shard}"
+        problems.append(
+            f"runtime.placement.learner_strategy=fsdp2 is not read once train.parallel is set "
+            f"({', '.join(sorted(parallel.model_fields_set))}): the layout is train.parallel's, which shards "
+            f"parameters over its dp_shard ranks ({shard} here); remove learner_strategy and shard with "
+            "train.parallel.dp_shard, or remove train.parallel to train with the FSDP2 strategy"
+        )
+    if layout.pp > 1:
+        problems += _pipeline_problems(cfg, layout, model_config)
+    return problems
+
+
+def _lora_problems(cfg: Any) -> list[str]:
+    """LoRA on Ray learners that would train and then fail at their first checkpoint: a
+    ``train.parallel`` layout writes sharded checkpoints, the FSDP2 strategy gathers a
+    full one, and neither can give a LoRA checkpoint."""
+    if cfg.model.lora is None or cfg.runtime.mode != "ray":
+        return []
+    parallel = cfg.train.parallel
+    if parallel.model_fields_set:
+        return [f"model.lora with train.parallel set ({', '.join(sorted(parallel.model_fields_set))}) on Ray: any "
+                "train.parallel key lays the learners out on a device mesh, whose checkpoints are sharded, and a "
+                "LoRA checkpoint (the adapters and a fingerprint of the frozen base weights) cannot be written "
+                f"from shards; {LORA_LAYOUTS}"]
+    if cfg.runtime.placement.learner_strategy == "fsdp2":
+        return ["model.lora with runtime.placement.learner_strategy=fsdp2: FSDP2 learners cannot write a LoRA "
+                "checkpoint (the adapters and a fingerprint of the frozen base weights) from their shards; "
+                f"{LORA_LAYOUTS}"]
+    return []
+
+
+def _pipeline_problems(cfg: Any, layout: Layout, model_config: Any) -> list[str]:
+    """The options pipeline stages refuse, from the config alone: the router
+    load-balancing loss of an MoE model (``model.router_aux_loss_coef``, else the model
+    config's own), routing replay, aux-free balancing, and LoRA."""
+    problems = []
+    if model_config is not None and expert_count(model_config) > 1:  # a dense model adds no router loss
+        coef = cfg.model.router_aux_loss_coef
+        if coef is None and _config_value(model_config, "router_aux_loss_coef"):
+            name = getattr(model_config, "model_type", "the model")
+            coef = f"{_config_value(model_config, 'router_aux_loss_coef')}, {name}'s own router_aux_loss_coef"
+        if coef:
+            problems.append(PP_AUX_LOSS.format(coef=coef))
+    if cfg.model.moe.routing_replay == "rollout":
+        problems.append(PP_ROUTING_REPLAY)
+    if cfg.model.moe.aux_free_bias > 0:
+        problems.append(PP_AUX_FREE_BIAS)
+    if cfg.model.lora is not None:
+        problems.append(f"model.lora with train.parallel.pp={layout.pp}: pipeline stages split a plain "
+                        "Llama-family decoder in place, not a LoRA-wrapped model; set pp: 1")
+    return problems
+
+
+def _config_value(config: Any, key: str) -> Any:
+    """``key`` of a model's config: its language model's (a vision-language model's text
+    config), else the top level's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, key, None)
+    return getattr(config, key, None) if value is None else value
 
 
 def _divisors(n: int) -> list[int]:
@@ -233,6 +375,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "check_layout",
+    "config_problems",
     "expert_count",
     "layout_for",
     "layout_problems",

@@ -53,6 +53,7 @@ from rltune.learner.objectives import Objective, logprob_forward
 from rltune.metrics.types import Aggregator, Metric
 from rltune.models.chunked import chunked_stats
 from rltune.models.logprobs import LogProbOutput, position_ids_from_mask
+from rltune.parallel.layout import PP_AUX_FREE_BIAS, PP_AUX_LOSS, PP_ROUTING_REPLAY, PP_SEQUENCE_PARALLEL
 
 try:
     from torch.distributed.tensor import DTensor
@@ -326,12 +327,10 @@ class Pipeline:
         divided by ``denominator``; returns the step's loss and metrics, the same on every
         ``pp`` rank. The gradients are this stage's (tied copies summed)."""
         if aux_loss_coef > 0:
-            raise ValueError("train.parallel.pp > 1 does not gather MoE router logits across stages, so it "
-                             f"cannot add the load-balancing loss (coefficient {aux_loss_coef}): set "
-                             "model.router_aux_loss_coef: 0 (or train.parallel.pp: 1)")
-        if any(getattr(mb, "routes", None) is not None for mb in micro):
-            raise ValueError("train.parallel.pp > 1 does not replay recorded MoE routes (the stages' routers "
-                             "are not given them): set model.moe.routing_replay: off, or train.parallel.pp: 1")
+            raise ValueError(PP_AUX_LOSS.format(coef=aux_loss_coef))
+        # recorded routes (an MoE policy's samples carry them with replay off too) are not
+        # given to the stages: their routers choose by themselves, as replay off means
+        # (a router that replays is refused by build_pipeline)
         kind, with_entropy = head_kind(objective.forward)
         agg, losses = Aggregator(), []
 
@@ -469,11 +468,13 @@ def build_pipeline(model: nn.Module, mesh: Any, *, schedule: str, device: torch.
     return its :class:`Pipeline`. ``pipeline.stage`` is what training forwards go
     through, and the root to shard (FSDP2 over the stage: the schedule then drives its
     gradient reduction, once per step)."""
-    from rltune.models.routing import BIAS_BUFFER, installed_routers
+    from rltune.models.routing import installed_routers
 
-    if any(gate._buffers.get(BIAS_BUFFER) is not None for gate in installed_routers(model)):
-        raise ValueError("model.moe.aux_free_bias moves each router's bias by the step's expert load, which "
-                         "train.parallel.pp > 1 does not gather across stages: set it to 0, or pp: 1")
+    routers = installed_routers(model)
+    if any(gate.__dict__.get("_rltune_rate", 0.0) > 0 for gate in routers):
+        raise ValueError(PP_AUX_FREE_BIAS)  # a bias restored at rate 0 stays fixed: it selects in every stage
+    if any(gate.__dict__.get("_rltune_replay", False) for gate in routers):
+        raise ValueError(PP_ROUTING_REPLAY)
     tied = is_tied(model)
     stage = split_model(model, mesh["pp"].get_local_rank(), mesh["pp"].size())
     stage.to(device)
@@ -483,8 +484,7 @@ def build_pipeline(model: nn.Module, mesh: Any, *, schedule: str, device: torch.
 def apply_pipeline(model: nn.Module, mesh: Any, layout: Any) -> Pipeline:
     """:func:`build_pipeline` with ``layout.pp_schedule``, on the device of ``model``."""
     if layout.tp > 1 and layout.sequence_parallel:
-        raise ValueError("train.parallel: pp > 1 with tp > 1 sends replicated hidden states between stages; "
-                         "sequence_parallel (sequence-sharded ones) is not supported with pp: set it to false")
+        raise ValueError(PP_SEQUENCE_PARALLEL)
     return build_pipeline(model, mesh, schedule=layout.pp_schedule, device=next(model.parameters()).device)
 
 

@@ -25,6 +25,7 @@ from rltune.checkpoint.sharded import writes_shards
 from rltune.checkpoint.store import CheckpointError
 from rltune.learner.learner import LocalLearner
 from rltune.models.lora import is_lora
+from rltune.parallel.layout import LORA_LAYOUTS
 from rltune.runtime.state import apply_learner_state, learner_state, map_tensors, sharded_learner_state, to_cpu
 
 
@@ -157,10 +158,10 @@ def apply_fsdp2_state(learner: LocalLearner, tensors: dict, meta: dict, path: Pa
 
 def _refuse_fsdp2_lora(learner: LocalLearner) -> None:
     if is_lora(learner.model):
-        raise RuntimeError(
+        raise CheckpointError(
             "checkpoints of a LoRA model sharded with FSDP2 are not supported (its checkpoint "
             "holds only the adapters and a fingerprint of the frozen weights, which the "
-            "sharded model cannot give); use runtime.placement.learner_strategy: ddp with LoRA"
+            f"sharded model cannot give); {LORA_LAYOUTS}"
         )
 
 

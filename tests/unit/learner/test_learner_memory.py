@@ -267,7 +267,10 @@ def test_offload_refusals(tiny_model) -> None:
     with pytest.raises(ValueError, match="data-parallel layout"):
         Config(train={"offload": "params", "parallel": {"tp": 2}},
                runtime={"mode": "ray", "placement": {"learners": 2}})
-    Config(train={"offload": "params"}, runtime={"mode": "ray", "placement": {"learners": 2, "learner_strategy": "fsdp2"}})
+    fsdp2 = {"learners": 2, "learner_strategy": "fsdp2"}
+    with pytest.raises(ValueError, match=r"the learners reserve no GPU \(runtime.placement.learner.gpus: 0\)"):
+        Config(train={"offload": "params"}, runtime={"mode": "ray", "placement": fsdp2})
+    Config(train={"offload": "params"}, runtime={"mode": "ray", "placement": {**fsdp2, "learner": {"gpus": 1}}})
 
 
 def test_a_model_without_transformer_blocks_is_refused() -> None:
