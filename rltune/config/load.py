@@ -70,8 +70,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 
 def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML: every field, defaults included, in schema order."""
-    return yaml.safe_dump(_plain(cfg.model_dump()), sort_keys=False, allow_unicode=True)
+    """The resolved config as YAML: every field, defaults included, in schema order, except
+    ``train.parallel``'s unset ones: setting any of them is what asks for a mesh layout
+    (``rltune.parallel.layout``), so the file read back must ask for the same layout."""
+    data = cfg.model_dump()
+    parallel = cfg.train.parallel
+    data["train"]["parallel"] = {k: v for k, v in data["train"]["parallel"].items() if k in parallel.model_fields_set}
+    return yaml.safe_dump(_plain(data), sort_keys=False, allow_unicode=True)
 
 
 def save_resolved_config(cfg: Config, run_dir: str | Path) -> Path:

@@ -61,3 +61,16 @@ def test_params_offload_on_learners_without_a_gpu_is_refused_as_optimizer_offloa
 def test_params_offload_on_gpu_learners_is_taken() -> None:
     cfg = config(*FSDP2_RAY, "runtime.placement.learner.gpus=1", "train.offload=params")
     assert cfg.train.offload == "params"
+
+
+@pytest.mark.parametrize("overrides", [(), ("train.parallel.tp=2",), ("train.parallel.dp_shard=auto",)])
+def test_a_saved_config_asks_for_the_same_layout(tmp_path, overrides) -> None:
+    """Setting a train.parallel key is what asks for a mesh layout: the run's config.yaml
+    read back sets the same keys (not every default), so a run trained from it, or a
+    layout check of it, sees the layout the run had."""
+    from rltune.config.load import save_resolved_config
+
+    cfg = load_config(None, ["reward.0.fn=m:f", "runtime.mode=ray", "runtime.placement.learners=2", *overrides])
+    back = load_config(save_resolved_config(cfg, tmp_path), [])
+    assert back.train.parallel.model_fields_set == cfg.train.parallel.model_fields_set
+    assert back == cfg
