@@ -182,12 +182,6 @@ def config_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
         problems.append(f"algo.dual_clip applies to token ratios; {name} clips one ratio per sequence")
     if algorithm.online:
         problems.extend(generation_problems(algorithm, cfg))
-    if algorithm.needs_critic and 0 < cfg.train.steps <= a.critic_warmup_steps:
-        problems.append(
-            f"algo.critic_warmup_steps={a.critic_warmup_steps} with train.steps={cfg.train.steps}: only the critic "
-            f"learns during the warm-up, so the policy would never change; set critic_warmup_steps below "
-            f"train.steps, or raise train.steps"
-        )
     problems.extend(minibatch_problems(algorithm, cfg))
     if a.skip_zero_advantage:
         problems.extend(skip_zero_advantage_problems(algorithm, cfg))
@@ -354,13 +348,27 @@ def unused_key_problems(algorithm: Algorithm, cfg: Any) -> list[str]:
     return problems
 
 
+def critic_warmup_note(algorithm: Algorithm, cfg: Any) -> str | None:
+    """A line for the console when ``algo.critic_warmup_steps`` covers every step of the
+    run: only the critic learns, the policy stays as it was (a short smoke run of a recipe
+    with a warm-up, so a note rather than a refusal)."""
+    a = cfg.algo
+    if not (algorithm.needs_critic and 0 < cfg.train.steps <= a.critic_warmup_steps):
+        return None
+    return (f"note: algo.critic_warmup_steps={a.critic_warmup_steps} covers all {cfg.train.steps} steps of this "
+            f"run: only the critic learns, and the policy stays as it was (set algo.critic_warmup_steps below "
+            f"train.steps to train it)")
+
+
 def overlong_limit(cfg: Any) -> tuple[str, int]:
     """The length DAPO's overlong penalty measures a sample against, and its key: a
-    completion's ``rollout.max_new_tokens``, or with an environment the episode's
+    completion's ``rollout.max_new_tokens``, or with a multi-turn environment the episode's
     ``env.max_total_tokens`` (an episode's completion holds every turn and observation,
-    and that budget is where it is cut)."""
-    if cfg.env.name is not None:
+    and that budget is where it is cut); a one-turn episode is cut at the smaller of the two."""
+    if cfg.env.name is not None and cfg.env.max_turns > 1:
         return "env.max_total_tokens", cfg.env.max_total_tokens
+    if cfg.env.name is not None and cfg.env.max_total_tokens < cfg.rollout.max_new_tokens:
+        return "env.max_total_tokens", cfg.env.max_total_tokens  # one turn, cut by the budget first
     return "rollout.max_new_tokens", cfg.rollout.max_new_tokens
 
 

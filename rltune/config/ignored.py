@@ -58,7 +58,8 @@ def unused_setting_problems(cfg: Config, *, plays_episodes: bool, algorithm: str
     r = cfg.runtime
     if cfg.rollout.threads is not None and (r.mode != "local" or r.max_staleness == 0):
         where = ("on Ray the generators use the CPUs they reserve (runtime.placement.generator.cpus): remove it"
-                 if r.mode == "ray" else "this run generates in the learner's thread: remove it, or set train.threads")
+                 if r.mode == "ray" else "this run generates in the learner's thread: use train.threads instead, "
+                 "and remove rollout.threads")
         problems.append(
             f"rollout.threads={cfg.rollout.threads} is the generator's share of the cores when it runs ahead of the "
             f"learner in one process (runtime.mode: local with runtime.max_staleness > 0); {where}"
@@ -67,7 +68,7 @@ def unused_setting_problems(cfg: Config, *, plays_episodes: bool, algorithm: str
         problems.append(f"env.name does not apply to algo.name={algorithm}{why_no_episodes}")
     if cfg.train.schedule == "constant" and cfg.train.min_lr_ratio != 0.0:
         problems.append(f"train.min_lr_ratio={cfg.train.min_lr_ratio} is where the cosine schedule ends; "
-                        "train.schedule is constant: set schedule: cosine, or remove min_lr_ratio")
+                        "train.schedule is constant: set schedule: cosine, or min_lr_ratio: 0")
     return problems
 
 

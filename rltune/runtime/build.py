@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rltune.algos import Algorithm, config_problems
+from rltune.algos.registry import critic_warmup_note
 from rltune.config import Config, ConfigError, save_resolved_config
 from rltune.config.ignored import unused_setting_problems
 from rltune.data.collate import collate_sft
@@ -84,7 +85,8 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
     save_resolved_config(cfg, run_dir)
     return Run(
-        spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=tuple(n for n in (moved, _bf16_weights_note(cfg)) if n)),
+        spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=tuple(
+            n for n in (moved, _bf16_weights_note(cfg), critic_warmup_note(inputs.algorithm, cfg)) if n)),
         data=data,
         roles=run_roles,
         source=_batch_source(cfg, inputs.algorithm, data, run_roles, preference, producer_threads),
@@ -217,10 +219,10 @@ def setting_problems(algorithm: Algorithm, cfg: Config) -> list[str]:
     (:func:`rltune.config.ignored.unused_setting_problems`): among them an environment in
     a run that never plays episodes (a preference method scores held-out pairs and never
     generates; SFT generates only to evaluate on ``data.eval``)."""
-    why = (" (it learns from preference pairs and never generates, not even to evaluate); remove the env section"
+    why = (" (it learns from preference pairs and never generates, not even to evaluate); set env.name: null"
            if is_preference(cfg) else
            " without data.eval (it learns from a fixed dataset and generates only to evaluate on data.eval); "
-           "set data.eval, or remove the env section")
+           "set data.eval, or env.name: null")
     return unused_setting_problems(cfg, plays_episodes=plays_episodes(algorithm, cfg), algorithm=algorithm.name,
                                    why_no_episodes=why)
 

@@ -31,9 +31,6 @@ def problems(*overrides: str) -> list[str]:
         (["algo.name=dapo", "algo.overlong_buffer=16", "rollout.max_new_tokens=8", REWARD],
          "algo.overlong_buffer=16 is longer than rollout.max_new_tokens=8: the soft overlong zone is the last "
          "overlong_buffer tokens before the limit; set overlong_buffer <= 8"),
-        (["algo.name=ppo", "algo.critic_warmup_steps=10", "train.steps=10", REWARD],
-         "algo.critic_warmup_steps=10 with train.steps=10: only the critic learns during the warm-up, so the "
-         "policy would never change; set critic_warmup_steps below train.steps, or raise train.steps"),
         (["algo.name=reinforce_pp", "algo.dynamic_sampling=true", "algo.group_size=1", REWARD],
          "algo.dynamic_sampling keeps only groups whose rewards differ, and a group of algo.group_size=1 never "
          "has two: every batch would be empty; set group_size >= 2, or dynamic_sampling: false"),
@@ -143,3 +140,17 @@ def test_a_resume_does_not_count_a_key_left_unread_by_the_other_keys():
     assert "algo.kl_horizon" in unread("algo.name=ppo", "algo.kl_coef=0.1", "algo.kl_in_reward=true")
     assert "algo.adv_eps" in unread("algo.name=dr_grpo")
     assert "algo.adv_eps" not in unread("algo.name=grpo")
+
+
+def test_a_critic_warmup_covering_the_run_is_a_note_not_a_refusal() -> None:
+    """A recipe's warm-up with a short smoke run (train.steps=1): only the critic learns,
+    which the run says when it starts."""
+    from rltune.algos.registry import critic_warmup_note
+
+    cfg = load_config(None, ["algo.name=ppo", "algo.critic_warmup_steps=10", "train.steps=10", REWARD])
+    assert config_problems(ALGORITHMS["ppo"], cfg) == []
+    assert critic_warmup_note(ALGORITHMS["ppo"], cfg) == (
+        "note: algo.critic_warmup_steps=10 covers all 10 steps of this run: only the critic learns, and the "
+        "policy stays as it was (set algo.critic_warmup_steps below train.steps to train it)")
+    shorter = load_config(None, ["algo.name=ppo", "algo.critic_warmup_steps=9", "train.steps=10", REWARD])
+    assert critic_warmup_note(ALGORITHMS["ppo"], shorter) is None

@@ -46,7 +46,7 @@ def test_vllm_keys_at_their_defaults_or_with_the_vllm_engine_are_accepted() -> N
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ([], r"rollout.threads=2 is the generator's share .*; this run generates in the learner's thread: "
-         r"remove it, or set train.threads$"),
+         r"use train.threads instead, and remove rollout.threads$"),
     (["runtime.mode=ray"], r"rollout.threads=2 .*; on Ray the generators use the CPUs they reserve "
                            r"\(runtime.placement.generator.cpus\): remove it$"),
 ])
@@ -67,7 +67,7 @@ def test_environment_keys_without_an_environment_are_accepted() -> None:
 
 def test_min_lr_ratio_on_a_constant_schedule_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"train.min_lr_ratio=0.1 is where the cosine schedule ends; "
-                                          r"train.schedule is constant: set schedule: cosine, or remove min_lr_ratio"):
+                                          r"train.schedule is constant: set schedule: cosine, or min_lr_ratio: 0"):
         config("train.min_lr_ratio=0.1")
     assert config("train.min_lr_ratio=0").train.schedule == "constant"
     assert config("train.schedule=cosine", "train.min_lr_ratio=0.1").train.min_lr_ratio == 0.1

@@ -37,6 +37,11 @@ def test_an_episode_is_measured_against_its_token_budget() -> None:
     assert _penalties("env.name=m:make", "env.max_total_tokens=64") == [0.0, 0.0, 0.0, 0.0, -0.5, -1.0]
 
 
+def test_a_one_turn_episode_is_measured_against_its_turn() -> None:
+    # max_turns=1: no observation follows the turn, so it is cut at max_new_tokens (8)
+    assert _penalties("env.name=m:make", "env.max_turns=1", "env.max_total_tokens=64") == _penalties()
+
+
 def test_the_buffer_is_checked_against_the_same_limit() -> None:
     cfg = load_config(None, ["algo.name=dapo", "reward.0.fn=m:f", "rollout.max_new_tokens=8",
                              "algo.overlong_buffer=16", "env.name=m:make", "env.max_total_tokens=64"])

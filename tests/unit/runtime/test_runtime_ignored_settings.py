@@ -27,11 +27,10 @@ _SIZES = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_la
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["algo.name=dpo"], r"^env.name does not apply to algo.name=dpo \(it learns from preference pairs and never "
-                        r"generates, not even to evaluate\); remove the env section$"),
+                        r"generates, not even to evaluate\); set env.name: null$"),
     (["algo.name=reward_model"], r"^env.name does not apply to algo.name=reward_model "),
     (["algo.name=sft"], r"^env.name does not apply to algo.name=sft without data.eval \(it learns from a fixed "
-                        r"dataset and generates only to evaluate on data.eval\); set data.eval, or remove the env "
-                        r"section$"),
+                        r"dataset and generates only to evaluate on data.eval\); set data.eval, or env.name: null$"),
 ])
 def test_an_environment_in_a_run_that_never_generates_is_refused_before_loading(monkeypatch, overrides,
                                                                                 message) -> None:
