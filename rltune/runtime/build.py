@@ -33,9 +33,10 @@ from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.parts import Progress, Run, RunData, RunRoles, RunSpec
 from rltune.runtime.preference import PreferenceParts, build_preference_parts, skip_warnings
 from rltune.runtime.roles import (
-    EnvFactory, Roles, check_critic_vocabulary, is_preference, learner_model, lookup_algorithm, model_positions,
-    model_vocab_size, plays_episodes, seed_everything, tokenizer_ids,
+    EnvFactory, Roles, check_critic_vocabulary, dense_router_loss_message, is_preference, learner_model,
+    lookup_algorithm, model_positions, model_vocab_size, plays_episodes, seed_everything, tokenizer_ids,
 )
+from rltune.parallel.layout import expert_count, model_config_of
 from rltune.runtime.rollouts import thread_shares
 from rltune.runtime.rundir import prepare_run_dir
 from rltune.runtime.sources import AheadOfLearner, BatchSource, Experience, Offline, OnPolicy
@@ -74,6 +75,7 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     processor = load_processor(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     _check_vocabulary(model_dir, tokenizer)
+    _check_router_loss(cfg, model_dir)
     if inputs.algorithm.needs_critic:
         check_critic_vocabulary(cfg, model_dir, tokenizer)
     preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir, roles.device) if is_preference(cfg) else None
@@ -104,6 +106,19 @@ def _bf16_weights_note(cfg: Config) -> str | None:
     return ("note: model.dtype=bfloat16 trains bf16 weights with no fp32 copy, so updates smaller than about "
             "1/256 of a weight round away; for bf16 arithmetic on fp32 weights set model.dtype: float32 and "
             "train.precision: bf16")
+
+
+def _check_router_loss(cfg: Config, model_dir: str) -> None:
+    """``model.router_aux_loss_coef`` on a dense model, refused here from its config alone:
+    on Ray the learner actors would otherwise refuse it as they load the model (an actor's
+    death each time, and restarts). The learner checks again (:func:`aux_loss_coef`)."""
+    coef = cfg.model.router_aux_loss_coef
+    if not coef:
+        return
+    config = model_config_of(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    if not expert_count(config):
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise ModelLoadError(dense_router_loss_message(coef, arch))
 
 
 def _check_vocabulary(model_dir: str, tokenizer: "PreTrainedTokenizerBase") -> None:

@@ -134,12 +134,15 @@ def aux_loss_coef(cfg: Config, model: torch.nn.Module) -> float:
     coef = cfg.model.router_aux_loss_coef
     if coef and not (hasattr(model, "config") and is_moe(model)):
         base = model.get_base_model() if is_lora(model) else model
-        raise ModelLoadError(
-            f"model.router_aux_loss_coef: {coef} needs a mixture-of-experts model (it weighs the routers' "
-            f"load-balancing loss); {type(base).__name__}: it has no experts (a dense model). Turn the option off "
-            f"for this model (router_aux_loss_coef: null)"
-        )
+        raise ModelLoadError(dense_router_loss_message(coef, type(base).__name__))
     return router_aux_loss_coef(model) if coef is None else coef
+
+
+def dense_router_loss_message(coef: float, model_class: str) -> str:
+    """Why ``model.router_aux_loss_coef`` cannot apply to a dense model of ``model_class``."""
+    return (f"model.router_aux_loss_coef: {coef} needs a mixture-of-experts model (it weighs the routers' "
+            f"load-balancing loss); {model_class}: it has no experts (a dense model). Turn the option off "
+            f"for this model (router_aux_loss_coef: null)")
 
 
 def load_policy(cfg: Config, model_dir: str) -> torch.nn.Module:

@@ -245,6 +245,9 @@ def _unread(old: Config, new: Config) -> set[str]:
         return set()
     prefixes = [unread_prefixes(c, plays_episodes=plays_episodes(algorithm, c)) for c in (old, new)]
     settings = {key for key, _, _ in differences(old, new) if all(is_unread(key, p) for p in prefixes)}
+    # the engine may change on a resume: the vLLM keys of a run that starts or stops using vLLM
+    settings |= {key for key, _, _ in differences(old, new) if any(is_unread(key, p) for p in prefixes)
+                 and key.startswith("rollout.vllm.")}
     return (set(unread_keys(algorithm, old)) & set(unread_keys(algorithm, new))) | settings
 
 

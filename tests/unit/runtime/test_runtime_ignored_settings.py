@@ -75,6 +75,20 @@ def test_a_router_loss_weight_on_a_dense_model_is_refused() -> None:
         aux_loss_coef(cfg, apply_lora(_dense(), LoraConfig(r=4)))
 
 
+def test_a_router_loss_weight_on_a_dense_model_is_refused_before_any_role_is_built(monkeypatch, tmp_path) -> None:
+    """From the model's config alone, on the driver: on Ray a learner actor refusing it as
+    it loads would die and be restarted."""
+    import rltune.runtime.build as build
+    from rltune.runtime.local import build_run as build_local_run
+
+    monkeypatch.setattr(build, "_build_roles", lambda *a, **k: pytest.fail("roles built"))
+    cfg = load_config(None, ["reward.0.fn=builtin:exact_numeric", "model.path=builtin:tiny", "train.threads=1",
+                             "data.train=builtin:arith_small/train", f"log.dir={tmp_path}", "model.router_aux_loss_coef=0.05"])
+    with pytest.raises(ModelLoadError, match=r"^model.router_aux_loss_coef: 0.05 needs a mixture-of-experts model .* "
+                                             r"Qwen2ForCausalLM: it has no experts"):
+        build_local_run(cfg)
+
+
 def test_a_router_loss_weight_off_or_on_an_moe_model_is_accepted() -> None:
     def coef(model: torch.nn.Module, *overrides: str) -> float:
         return aux_loss_coef(load_config(None, ["reward.0.fn=m:f", *overrides]), model)

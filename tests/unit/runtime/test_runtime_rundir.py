@@ -139,6 +139,15 @@ def test_a_setting_the_run_never_read_may_be_dropped_on_resume(tmp_path, ignored
     _resume(tmp_path, run_dir)
 
 
+def test_a_vllm_run_resumes_on_the_hf_engine_without_its_vllm_keys(tmp_path):
+    """rollout.engine may change on a resume, and the hf engine refuses vLLM's keys: they
+    may then be dropped (and given again when the engine becomes vllm once more)."""
+    run_dir = _saved(tmp_path, "rollout.engine=vllm", "rollout.vllm.max_model_len=256")
+    _resume(tmp_path, run_dir, "rollout.engine=hf")
+    with pytest.raises(ConfigError, match=r"rollout.vllm.max_model_len: 256 -> 512"):  # both read it
+        _resume(tmp_path, run_dir, "rollout.engine=vllm", "rollout.vllm.max_model_len=512")
+
+
 def test_a_setting_the_run_reads_is_still_its_meaning(tmp_path):
     run_dir = _saved(tmp_path, "train.schedule=cosine", "train.min_lr_ratio=0.1")
     with pytest.raises(ConfigError, match=r"train.min_lr_ratio: 0.1 -> 0.0"):
