@@ -231,8 +231,9 @@ def critic_dir(cfg: Config, model_dir: str) -> str:
 def check_critic_vocabulary(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase") -> None:
     """A ModelLoadError when the critic of ``model.critic_path`` cannot read the policy's
     tokens: its embedding (``vocab_size`` of its ``config.json``) has fewer rows than the
-    policy's ``tokenizer`` has ids, or its directory holds a tokenizer with another
-    vocabulary (the same ids would be other tokens). Without ``model.critic_path`` the
+    policy's ``tokenizer`` has ids, or its directory holds a tokenizer that lacks one of
+    the policy's tokens or numbers one otherwise (the same ids would be other tokens); a
+    superset of the policy's vocabulary (a token added after it) reads the same. Without ``model.critic_path`` the
     critic is the policy's own model and nothing is checked here."""
     if cfg.model.critic_path is None:
         return
@@ -256,7 +257,7 @@ def check_critic_vocabulary(cfg: Config, model_dir: str, tokenizer: "PreTrainedT
     except ModelLoadError as err:
         raise ModelLoadError(f"model.critic_path: {err}") from err
     policy = tokenizer.get_vocab()
-    if own != policy:
+    if any(own.get(token) != i for token, i in policy.items()):  # a superset (an added [PAD]) reads the same
         raise ModelLoadError(
             f"model.critic_path: the tokenizer in {critic} differs from the policy's (model.path: {model_dir}): "
             f"{_vocab_difference(own, policy)}, so the critic would value other tokens than the policy "
@@ -265,13 +266,11 @@ def check_critic_vocabulary(cfg: Config, model_dir: str, tokenizer: "PreTrainedT
 
 
 def _vocab_difference(critic: dict[str, int], policy: dict[str, int]) -> str:
-    """One token on which two different vocabularies disagree, in words."""
-    only = sorted(set(critic) ^ set(policy))
+    """One of the policy's tokens that the critic's vocabulary lacks or numbers otherwise."""
+    only = sorted(set(policy) - set(critic))
     if only:
-        token = only[0]
-        return (f"{len(critic)} and {len(policy)} tokens, {token!r} only in the "
-                f"{'critic' if token in critic else 'policy'}'s")
-    token = min(t for t in critic if critic[t] != policy[t])
+        return f"{len(critic)} and {len(policy)} tokens, {only[0]!r} only in the policy's"
+    token = min(t for t in policy if critic[t] != policy[t])
     return f"token {token!r} is id {critic[token]} in the critic's and {policy[token]} in the policy's"
 
 

@@ -111,6 +111,13 @@ def test_a_critic_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, t
                               f"{vocab['b']} in the policy's")
 
 
+def test_a_critic_whose_tokenizer_adds_a_token_is_accepted(tmp_path, tiny_path) -> None:
+    """Every policy id means the same token to it (a reward model that added a [PAD])."""
+    critic = _with_extra_token(tiny_path, tmp_path / "critic")
+    critic = _resized(critic, tmp_path / "critic-rows", _rows(tiny_path) + 1)
+    assert _build(tmp_path, tiny_path, "algo.name=ppo", f"model.critic_path={critic}").roles.critic is not None
+
+
 def test_a_critic_without_a_tokenizer_of_its_own_is_accepted(tmp_path, tiny_path) -> None:
     critic = _copy(tiny_path, tmp_path / "critic")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
