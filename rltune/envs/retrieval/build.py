@@ -80,9 +80,16 @@ def build_retriever(spec: Mapping[str, Any], *, base_dir: str | None = None,
 
 def resolve_path(path: str, base_dir: str | None) -> Path:
     """``path`` as written when absolute; a relative one from ``base_dir`` (the config
-    file's directory), else from the working directory."""
+    file's directory), else from the working directory: the first of the two where it
+    exists, as reward files are found, and the config's when it exists in neither (a
+    store to build)."""
     given = Path(path).expanduser()
-    return given if given.is_absolute() else (Path(base_dir) if base_dir else Path.cwd()) / given
+    if given.is_absolute():
+        return given
+    first = (Path(base_dir) if base_dir else Path.cwd()) / given
+    if not first.exists() and (Path.cwd() / given).exists():
+        return Path.cwd() / given
+    return first
 
 
 def _documents_file(path: str, base_dir: str | None, where: str) -> Path:
@@ -90,7 +97,7 @@ def _documents_file(path: str, base_dir: str | None, where: str) -> Path:
     resolved = resolve_path(path, base_dir)
     if not resolved.is_file():
         start = "" if Path(path).expanduser().is_absolute() else (
-            " (a relative path starts at the config file's directory)" if base_dir
+            " (a relative path starts at the config file's directory, then the working directory)" if base_dir
             else " (a relative path starts at the working directory)")
         raise CorpusError(f"{where}: documents {path!r}: no such corpus file {resolved}{start}")
     return resolved

@@ -95,11 +95,21 @@ def test_relative_documents_start_at_the_config_directory(elsewhere):
     assert _search(make) == "kav number 1"
 
 
+def test_relative_documents_in_the_working_directory_only_are_found_there(elsewhere, tmp_path, monkeypatch):
+    """As reward files are found: the config's directory first, then the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    _corpus(work / "docs.jsonl")
+    monkeypatch.chdir(work)
+    make = load_env_factory("builtin:tools", _tools({"kind": "bm25", "documents": "docs.jsonl"}), base_dir=elsewhere)
+    assert _search(make) == "kav number 1"
+
+
 def test_a_missing_corpus_names_the_path_looked_for(elsewhere):
     with pytest.raises(EnvLoadError) as info:
         load_env_factory("builtin:tools", _tools({"kind": "bm25", "documents": "docs.jsonl"}), base_dir=elsewhere)
     assert (f"documents 'docs.jsonl': no such corpus file {elsewhere / 'docs.jsonl'} "
-            "(a relative path starts at the config file's directory)") in str(info.value)
+            "(a relative path starts at the config file's directory, then the working directory)") in str(info.value)
 
 
 def test_absolute_documents_and_builtin_corpora_are_kept(elsewhere, tmp_path):
