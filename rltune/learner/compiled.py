@@ -42,8 +42,12 @@ def compile_blocks(model: torch.nn.Module, *, dynamic: bool | None = None,
     ``torch.compile``-d function (module docstring); returns how many blocks. Idempotent.
     ``backend``: torch.compile's (``eager`` traces without generating code: for tests).
 
-    Raises ValueError when ``model`` names no transformer block."""
+    Raises ValueError when ``model`` names no transformer block, and a ``ConfigError``
+    when inductor would compile C++ for a model on the CPU and this machine has no C++
+    compiler (:func:`rltune.rollout.compiled.require_cpp_compiler`, looked up once per
+    process)."""
     from rltune.learner.parallel import transformer_blocks
+    from rltune.rollout.compiled import require_cpp_compiler
 
     blocks = transformer_blocks(model)
     if not blocks:
@@ -51,6 +55,9 @@ def compile_blocks(model: torch.nn.Module, *, dynamic: bool | None = None,
             f"train.compile compiles transformer blocks, but {type(model).__name__} names none "
             "(no Hugging Face `_no_split_modules` in it); set train.compile: false for this model"
         )
+    first = next(model.parameters(), None)
+    if backend == "inductor" and first is not None:
+        require_cpp_compiler("train.compile", first.device)
     for block in blocks:
         if "_rltune_compiled" in block.__dict__:
             continue

@@ -377,10 +377,22 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     other ``out_dir`` that exists may hold other files, but not one the report would
     write or remove (``index.html``, a chart, a copied image) unless an earlier report
     is there (:func:`is_report_page`); else it is a :class:`ReportError` naming the
-    folder, and nothing is written."""
+    folder, and nothing is written. A folder that cannot be made or written (no such
+    parent, no permission, a read-only file system) is a :class:`ReportError` naming the
+    path and the system's reason."""
     data = load_run(Path(run_dir))
     default = Path(run_dir) / "report"
     out = Path(out_dir) if out_dir is not None else default
+    try:
+        return _write(data, out, default)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename is not None and str(err.filename) != str(out) else ""
+        raise ReportError(f"cannot write the report to {out}: {err.strerror or err}{where}; give --out a "
+                          "directory this user can create and write") from None
+
+
+def _write(data: RunData, out: Path, default: Path) -> Path:
+    """:func:`write_report`'s writing, once the run is read."""
     if out.exists() and not out.is_dir():
         raise ReportError(f"report directory {out} exists and is not a directory")
     _, best, worst, _ = pick_samples(data.samples)  # the shown rollouts' images go beside the page

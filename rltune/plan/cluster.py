@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from rltune.plan.errors import PlanError
+from rltune.plan.bounds import search_bound_problems
 from rltune.plan.spec import Cluster
 
 PRESETS: dict[str, Cluster] = {
@@ -93,6 +94,9 @@ def _build(values: dict[str, Any], preset: str, name_of: dict[str, str], source:
             changes[_FIELDS[key][0]] = _checked(key, value, name_of[key])
     if "gpus" not in changes:
         raise PlanError(f"{name_of['gpus']} is missing: how many devices the run may use")
+    problems = search_bound_problems(changes["gpus"], 0, gpus_name=name_of["gpus"])
+    if problems:
+        raise PlanError(problems[0])
     cluster = dataclasses.replace(base, **changes)
     if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
         raise PlanError(

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from rltune.plan.errors import PlanError
+from rltune.plan.bounds import search_bound_problems
 
 CLUSTER_FLAGS = ("gpus", "gpus_per_node", "gpu_memory_gb", "gpu_tflops", "intra_gbps", "inter_gbps", "preset")
 DEFAULT_CALIBRATION = Path("plan-calibration.json")
+SEED_MAX = 2**32 - 1
+"""The largest ``--seed``: numpy's generator under Optuna's TPE sampler takes 0 .. 2**32-1."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,6 +83,9 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")
     if args.max_staleness is not None and args.max_staleness < 0:
         problems.append(f"--max-staleness {args.max_staleness}: must be 0 or more")
+    problems += search_bound_problems(args.gpus or 0, args.max_staleness or 0)
+    if not 0 <= args.seed <= SEED_MAX:
+        problems.append(f"--seed {args.seed}: must be 0 .. 2**32-1 ({SEED_MAX}), the seeds TPE's sampler takes")
     if args.score_s is not None and not (math.isfinite(args.score_s) and args.score_s >= 0):
         problems.append(f"--score-s {args.score_s}: must be a finite number of seconds, 0 or more")
     return problems

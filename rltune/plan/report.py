@@ -201,45 +201,83 @@ def _resources(gpus: float, cluster: Cluster | None) -> dict[str, float]:
     return {"cpus": 1.0, "gpus": float(gpus)}
 
 
-def config_sections(plan: Plan, cluster: Cluster | None = None, base: Any = None) -> dict[str, Any]:
-    """The config keys of ``plan`` as nested sections: ``runtime`` (``mode``, ``placement``,
-    ``max_staleness``, ``weight_sync``), ``train`` (``parallel``, ``micro_batch_tokens``,
-    ``activation_checkpointing``, ``offload``), ``rollout.vllm.tensor_parallel_size`` for
-    engines over several devices, and ``algo.importance_correction: token-truncate`` when
-    the plan is stale and ``base`` (the loaded input ``Config``, or None) has none
-    (rltune refuses staleness without it). One device is the local runtime (one process,
-    ``runtime.device`` the cluster's kind: ``cuda`` or ``cpu``); more are Ray actors, a
-    learner a device, a generator ``generator_tp`` devices, or half of a learner's device
-    each when colocated. A plan with ``offload: optimizer`` (a replicated learner, see
-    :func:`~rltune.plan.search.offload_ok`) has no ``train.parallel``: its learners are a
-    DDP group, whose parameters stay whole, as that offload needs."""
-    c = plan.candidate
-    one_process = c.gpus == 1
+RAY_ONLY = ("placement", "weight_sync")
+"""The ``runtime`` keys a plan writes for Ray only: the local runtime (one device) reads
+neither, so a one-device plan writes neither and drops the input's."""
+
+
+def _runtime_section(c: Candidate, cluster: Cluster | None, *, parallel: bool) -> dict[str, Any]:
+    """``runtime`` of a candidate: one device is the local runtime (``mode``, ``device``,
+    ``max_staleness``); more are Ray actors placed by ``placement``, with the weight sync.
+    ``learner_strategy`` is written only for a learner without ``train.parallel``: where
+    there is one, its degrees are the layout and rltune reads no strategy beside them."""
+    if c.gpus == 1:
+        runtime: dict[str, Any] = {"mode": "local", "max_staleness": c.max_staleness}
+        if cluster is not None:
+            runtime["device"] = "cpu" if cluster.kind == "cpu" else "cuda"
+        return runtime
     learner_gpu, generator_gpu = (0.5, 0.5) if c.colocate else (1.0, float(c.generator_tp))
-    placement = {
-        "generators": max(1, c.generator_replicas), "learners": c.learner_gpus, "colocate": c.colocate,
-        "learner_strategy": "fsdp2" if c.learner.dp_shard > 1 else "ddp",
-        "learner": _resources(0.0 if one_process else learner_gpu, cluster),
-        "generator": _resources(0.0 if one_process or c.generator_replicas == 0 else generator_gpu, cluster),
-    }
-    lay = c.learner
-    sections: dict[str, Any] = {
-        "runtime": {"mode": "local" if one_process else "ray", "placement": placement,
-                    "max_staleness": c.max_staleness, "weight_sync": c.weight_sync},
-        "train": {"parallel": {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
-                               "ep": lay.ep, "pp_schedule": lay.pp_schedule},
-                  "micro_batch_tokens": c.micro_batch_tokens, "activation_checkpointing": c.activation_checkpointing,
-                  "offload": c.offload},
-    }
-    if one_process and cluster is not None:
-        sections["runtime"]["device"] = "cpu" if cluster.kind == "cpu" else "cuda"
-    if c.offload == "optimizer":
-        del sections["train"]["parallel"]
+    placement: dict[str, Any] = {"generators": max(1, c.generator_replicas), "learners": c.learner_gpus,
+                                 "colocate": c.colocate}
+    if not parallel:
+        placement["learner_strategy"] = "fsdp2" if c.learner.dp_shard > 1 else "ddp"
+    placement["learner"] = _resources(learner_gpu, cluster)
+    placement["generator"] = _resources(0.0 if c.generator_replicas == 0 else generator_gpu, cluster)
+    return {"mode": "ray", "placement": placement, "max_staleness": c.max_staleness, "weight_sync": c.weight_sync}
+
+
+def config_sections(plan: Plan, cluster: Cluster | None = None, base: Any = None) -> dict[str, Any]:
+    """The config keys of ``plan`` as nested sections: ``runtime`` (:func:`_runtime_section`:
+    ``mode``, and ``placement`` and ``weight_sync`` on Ray, ``max_staleness``), ``train``
+    (``parallel``, ``micro_batch_tokens``, ``activation_checkpointing``, ``offload``),
+    ``rollout.vllm.tensor_parallel_size`` for engines over several devices, and
+    ``algo.importance_correction: token-truncate`` when the plan is stale and ``base`` (the
+    loaded input ``Config``, or None) has none (rltune refuses staleness without it). One
+    device is the local runtime (one process, ``runtime.device`` the cluster's kind:
+    ``cuda`` or ``cpu``); more are Ray actors, a learner a device, a generator
+    ``generator_tp`` devices, or half of a learner's device each when colocated. A plan
+    with ``offload: optimizer`` (a replicated learner, see
+    :func:`~rltune.plan.search.offload_ok`) has no ``train.parallel``: its learners are a
+    DDP group (``learner_strategy: ddp``), whose parameters stay whole, as that offload
+    needs; so has a LoRA plan on Ray (``base.model.lora``: rltune writes a LoRA
+    checkpoint from a DDP group only, and the search gives it no other layout); every
+    other plan's layout is its ``train.parallel``, with no ``learner_strategy``."""
+    c, lay = plan.candidate, plan.candidate.learner
+    lora_on_ray = c.gpus > 1 and base is not None and base.model.lora is not None
+    parallel = c.offload != "optimizer" and not lora_on_ray
+    train: dict[str, Any] = {}
+    if parallel:
+        train["parallel"] = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
+                             "ep": lay.ep, "pp_schedule": lay.pp_schedule}
+    train |= {"micro_batch_tokens": c.micro_batch_tokens, "activation_checkpointing": c.activation_checkpointing,
+              "offload": c.offload}
+    sections: dict[str, Any] = {"runtime": _runtime_section(c, cluster, parallel=parallel), "train": train}
     if c.max_staleness > 0 and (base is None or base.algo.importance_correction == "none"):
         sections["algo"] = {"importance_correction": "token-truncate"}
     if c.generator_tp > 1 and not c.colocate:
         sections["rollout"] = {"vllm": {"tensor_parallel_size": c.generator_tp}}
     return sections
+
+
+def _drop_replaced(merged: dict[str, Any], sections: dict[str, Any]) -> None:
+    """Remove from ``merged`` the input's keys that the plan's sections replace by leaving
+    them out: ``train.parallel`` for a DDP learner (the input's layout would shard it),
+    ``runtime.placement.learner_strategy`` beside a planned ``train.parallel`` (not read
+    there), the Ray keys (:data:`RAY_ONLY`) of a local plan, and ``runtime.device`` of a
+    Ray plan (each actor's device comes from its placement)."""
+    train, runtime = merged.get("train"), merged.get("runtime")
+    if "parallel" not in sections["train"] and isinstance(train, dict):
+        train.pop("parallel", None)
+    if not isinstance(runtime, dict):
+        return
+    if sections["runtime"]["mode"] == "local":
+        for key in RAY_ONLY:
+            runtime.pop(key, None)
+        return
+    runtime.pop("device", None)
+    placement = runtime.get("placement")
+    if "parallel" in sections["train"] and isinstance(placement, dict):
+        placement.pop("learner_strategy", None)
 
 
 def sections_yaml(sections: dict[str, Any]) -> str:
@@ -274,8 +312,7 @@ def write_config(base_cfg_path: str | Path, plan: Plan, out_path: str | Path, cl
         raise PlanError(f"--write: cannot read the input config {base_path}: {err}") from None
     sections = config_sections(plan, cluster, base_cfg)
     merged = merge(data, sections)
-    if "parallel" not in sections["train"] and isinstance(merged.get("train"), dict):
-        merged["train"].pop("parallel", None)  # a DDP learner: the input's layout would shard it
+    _drop_replaced(merged, sections)
     # written beside ``out`` and checked there (its relative paths resolve from that
     # directory), then renamed over it: a refused plan leaves a file already at ``out`` as it was
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

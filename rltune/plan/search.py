@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from rltune.plan.bounds import MAX_GPUS, MAX_STALENESS, search_bound_problems
 from rltune.plan.errors import PlanError
 from rltune.plan.spec import GB, Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, Plan, StepTime, Workload
 
@@ -64,6 +65,9 @@ class SearchSpace:
     one_process: bool = False
     """True for a cluster of one device: the local runtime (learner and generator in one
     process, which is colocation)."""
+    replicated_only: bool = False
+    """True for LoRA on Ray: rltune writes a LoRA checkpoint only from a replicated (DDP)
+    learner group, so the learner's only layout is ``dp_replicate`` = the group."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,9 @@ class PlanResult:
 
 
 def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n``, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of ``n``, ascending (pairs ``d``, ``n // d`` up to the root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: str = "vllm",
@@ -104,11 +109,17 @@ def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: 
     ``runtime.max_staleness`` (``work.max_staleness``) or ``max_staleness``; the
     config's own ``micro_batch_tokens`` added to the options."""
     mbt = tuple(sorted({4096, 8192, 16384} | ({micro_batch_tokens} if micro_batch_tokens else set())))
+    staleness = work.max_staleness if max_staleness is None else max_staleness
+    problems = search_bound_problems(cluster.gpus, staleness, gpus_name="the cluster's gpus",
+                                     staleness_name="runtime.max_staleness" if max_staleness is None else "--max-staleness")
+    if problems:
+        raise PlanError("; ".join(problems))
     return SearchSpace(
         generator_tp=(1, 2, 4, 8) if engine == "vllm" else (1,),
         micro_batch_tokens=mbt,
-        max_staleness=work.max_staleness if max_staleness is None else max_staleness,
+        max_staleness=staleness,
         one_process=cluster.gpus == 1,
+        replicated_only=work.lora_rank is not None and cluster.gpus > 1,
     )
 
 
@@ -127,7 +138,11 @@ def _ep_options(spec: ModelSpec, space: SearchSpace) -> list[int]:
 def learner_layouts(spec: ModelSpec, world: int, cluster: Cluster, space: SearchSpace) -> Iterator[LearnerLayout]:
     """Every ``train.parallel`` layout of ``world`` ranks in the space that the model's
     shapes allow: tp dividing heads, kv heads and vocabulary, pp <= layers, ep dividing
-    the experts, the product of the degrees ``world``."""
+    the experts, the product of the degrees ``world``; only ``dp_replicate = world`` when
+    ``space.replicated_only``."""
+    if space.replicated_only:
+        yield LearnerLayout(dp_replicate=world)
+        return
     for tp in sorted(space.tp):
         if world % tp or not _tp_ok(spec, tp, cluster):
             continue
@@ -200,9 +215,19 @@ def enumerate_candidates(spec: ModelSpec, work: Workload, cluster: Cluster, spac
                                     offload=offload, max_staleness=staleness, weight_sync=sync)  # type: ignore[arg-type]
 
 
+def _knob_count(layout: LearnerLayout, work: Workload, space: SearchSpace) -> int:
+    """How many tuples :func:`_knobs` yields for ``layout``, counted without listing them."""
+    offloads = sum(1 for offload in space.offload if offload_ok(offload, layout, work))
+    return len(space.micro_batch_tokens) * len(space.activation_checkpointing) * offloads * (space.max_staleness + 1)
+
+
 def space_size(spec: ModelSpec, work: Workload, cluster: Cluster, space: SearchSpace) -> int:
-    """How many candidates :func:`enumerate_candidates` yields, counted per layout."""
-    return sum(sum(1 for _ in _knobs(layout, work, space)) * len(syncs(colocate, work, space))
+    """How many candidates :func:`enumerate_candidates` yields, counted per layout (the
+    knobs multiplied out, so the count does not grow with the staleness searched)."""
+    if cluster.gpus > MAX_GPUS or space.max_staleness > MAX_STALENESS:
+        raise PlanError("; ".join(search_bound_problems(cluster.gpus, space.max_staleness, gpus_name="the cluster's gpus",
+                                                        staleness_name="the search's max_staleness")))
+    return sum(_knob_count(layout, work, space) * len(syncs(colocate, work, space))
                for colocate, *_, world in splits(spec, work, cluster, space)
                for layout in learner_layouts(spec, world, cluster, space))
 

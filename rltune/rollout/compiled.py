@@ -45,12 +45,14 @@ recover the compile.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from rltune.config import ConfigError
 from rltune.models.dense_layout import rms_norm, rotate
 
 if TYPE_CHECKING:
@@ -60,6 +62,48 @@ BUCKET = 64
 """Cache slots are allocated in multiples of this, so prompts of nearby widths share a graph."""
 
 _COMPILED: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def cpp_compiler_problem() -> str | None:
+    """Why inductor's CPU backend could not compile in this process (None when it can):
+    no working C++ compiler where inductor looks for one (``torch._inductor.cpp_builder.
+    get_cpp_compiler``: the entries of ``torch._inductor.config.cpp.cxx``, from ``CXX``,
+    else ``g++``, each run with ``--version``). Looked up once per process; a torch
+    without that function is not checked (None)."""
+    with _CPP_LOCK:
+        if "problem" not in _CPP_COMPILER:
+            _CPP_COMPILER["problem"] = _find_cpp_compiler()
+        return _CPP_COMPILER["problem"]
+
+
+def _find_cpp_compiler() -> str | None:
+    try:
+        from torch._inductor import config, cpp_builder, exc
+
+        find, missing = cpp_builder.get_cpp_compiler, exc.InvalidCxxCompiler
+    except (ImportError, AttributeError):
+        return None
+    try:
+        find()
+    except missing:
+        cxx = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+        tried = ", ".join(str(c) for c in cxx if c) or "none"
+        source = ", from CXX" if "CXX" in os.environ else "; CXX is unset"
+        return f"no working C++ compiler was found (tried {tried}{source})"
+    return None
+
+
+def require_cpp_compiler(key: str, device: torch.device | str) -> None:
+    """Raise a ``ConfigError`` naming ``key`` (``rollout.compile``, ``train.compile``) when
+    ``device`` is the CPU and :func:`cpp_compiler_problem` finds no compiler there: told at
+    start, not as inductor's traceback at the first compiled call. Other devices compile
+    without a C++ compiler of this machine's (Triton on CUDA) and are not checked."""
+    if torch.device(device).type != "cpu":
+        return
+    problem = cpp_compiler_problem()
+    if problem is not None:
+        raise ConfigError(f"{key}=true compiles with torch inductor's C++ backend on the CPU, but {problem}; "
+                          f"install g++ or set CXX to a working C++ compiler, or set {key}=false")
 
 
 def compile_mode(device: torch.device) -> str | None:
@@ -115,6 +159,9 @@ _PACKED_PRODUCTS = (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn
 _SETUP_LOCK = threading.Lock()
 """Held while the packed step's compiler set-up runs, so two threads' first calls do not race."""
 _AS_CALLS: set[Any] = set()
+_CPP_COMPILER: dict[str, str | None] = {}
+""":func:`cpp_compiler_problem`'s answer, once looked up (under :data:`_CPP_LOCK`)."""
+_CPP_LOCK = threading.Lock()
 
 
 def linear_add_fake(x: torch.Tensor, other: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -223,7 +270,11 @@ class CompiledStep:
     docstring). :meth:`begin` takes over a :class:`LeanDecoder`'s prefilled state,
     :meth:`step` replaces its eager step."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        """``device``: the generator's; on the CPU a missing C++ compiler is refused here
+        (:func:`require_cpp_compiler`), None checks nothing."""
+        if device is not None:
+            require_cpp_compiler("rollout.compile", device)
         self._key: tuple | None = None
         self.caches: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
         self.tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

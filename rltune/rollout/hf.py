@@ -96,7 +96,7 @@ class HFGenerator:
                 "Linear projections: no MoE, no LoRA adapters); set rollout.compile=false"
                 if fastpath else "rollout.compile needs the lean decoder, which fastpath=False turns off"
             )
-        self._compiled = CompiledStep() if compile else None
+        self._compiled = CompiledStep(next(model.parameters()).device) if compile else None
         self.tokenizer = tokenizer
         self.rng = rng if rng is not None else torch.Generator().manual_seed(0)
         self.version = 0
