@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ class QueuedBatch:
     learns it."""
     version: int
     """The policy version that generated it (the oldest of its rollouts')."""
+    dropped: list[Rollout] = field(default_factory=list)
+    """Scored rollouts left out of it (dynamic sampling), for their reward errors; not
+    saved in checkpoints."""
 
 
 def batches_to_state(

@@ -115,6 +115,8 @@ class AsyncRollouts:
         self._idle_s = 0.0
         self._since = time.perf_counter()
         self._thread: threading.Thread | None = None
+        self.last_dropped: list[Rollout] = []
+        """The rollouts the batch :meth:`take` returned last left out (dynamic sampling)."""
 
     # ------------------------------------------------------------------ learner side
 
@@ -132,6 +134,7 @@ class AsyncRollouts:
                     raise RuntimeError("the rollout producer was closed")
                 queued = len(self._queue)
                 item = self._queue.popleft()
+                self.last_dropped = item.dropped  # read by the learner's thread after take
                 self._taken += 1
                 self._lock.notify_all()
                 if learner_version - item.version <= self.max_staleness:
@@ -259,7 +262,7 @@ class AsyncRollouts:
         produced = QueuedBatch(prompts, rollouts,
                                {**metrics.result(), **{k: v for k, v in clock.metrics().items()
                                                        if k in (keys.time_key("generate"), keys.time_key("score"))}},
-                               version)
+                               version, dropped=list(getattr(self._collector, "dropped", ())))  # none: nothing dropped
         with self._lock:
             self._queue.append(produced)
             self._busy = False

@@ -187,7 +187,8 @@ class AheadOfLearner:
         metrics = Aggregator()
         metrics.add(produced)
         clock.mark("wait")
-        return StepBatch(prompts, rollouts, self.experience(rollouts, metrics, clock), metrics, learner_wait_s=waited)
+        return StepBatch(prompts, rollouts, self.experience(rollouts, metrics, clock), metrics, learner_wait_s=waited,
+                         dropped=self.producer.last_dropped)
 
     def after_update(self, clock: StepClock) -> None:
         learner = self.roles.learner

@@ -95,10 +95,14 @@ def test_a_reward_failing_on_every_sample_stops_the_run(capsys, tmp_path, reward
     assert (run_dir / "checkpoints" / "step-3" / "COMPLETE").is_file()
 
 
-def test_a_reward_failing_on_every_sample_stops_a_run_that_drops_groups(capsys, tmp_path):
+@pytest.mark.parametrize("ahead", [(), ("runtime.max_staleness=1", "algo.importance_correction=token-truncate")],
+                         ids=["in-turn", "ahead"])
+def test_a_reward_failing_on_every_sample_stops_a_run_that_drops_groups(capsys, tmp_path, ahead):
     """Dynamic sampling drops every group (no valid reward, no spread), and the errors of
-    the dropped groups are still the step's: shown, counted, and stopping the run."""
-    code, printed, _ = _train(capsys, tmp_path, "high", "algo.dynamic_sampling=true", "algo.max_refill_rounds=0")
+    the dropped groups are still the step's: shown, counted, and stopping the run, also
+    when the batches are generated ahead of the learner."""
+    code, printed, _ = _train(capsys, tmp_path, "high", "algo.dynamic_sampling=true", "algo.max_refill_rounds=0",
+                              *ahead)
     assert code == 2, printed
     message = "high: returned str 'high' (expected a finite number)"
     assert f"reward error at step 1 (first of its kind, not repeated): {message}" in printed
