@@ -108,9 +108,10 @@ def test_the_world_is_the_learner_count_on_ray_and_world_size_locally(monkeypatc
         run_layout(config("train.parallel.dp_replicate=2"))
 
 
-def test_train_refuses_an_impossible_layout_in_one_line_before_loading(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
+def train_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                         *overrides: str) -> tuple[int, str]:
+    """``rltune train`` of a tiny config with ``overrides``, where loading a model fails the
+    test; returns the exit code and the error lines (checked to be one, with no traceback)."""
     monkeypatch.setenv("COLUMNS", "500")  # rich wraps at 80 columns without a terminal
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -122,13 +123,20 @@ def test_train_refuses_an_impossible_layout_in_one_line_before_loading(
     path = tmp_path / "run.yaml"
     path.write_text("name: t\nmodel: {path: builtin:tiny}\ndata: {train: builtin:arith_small/train}\n"
                     f"log: {{dir: {tmp_path}}}\n")
-    code = main(["train", str(path), "train.parallel.tp=3", "runtime.mode=ray", "runtime.placement.learners=3"])
+    code = main(["train", str(path), *overrides])
     out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    assert "Traceback" not in out + err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "tp=3 does not divide qwen2's num_attention_heads=4" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in out + err, err
+    return code, lines[0]
+
+
+def test_train_refuses_an_impossible_layout_in_one_line_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    code, line = train_before_loading(tmp_path, monkeypatch, capsys,
+                                      "train.parallel.tp=3", "runtime.mode=ray", "runtime.placement.learners=3")
+    assert code == 2
+    assert "tp=3 does not divide qwen2's num_attention_heads=4" in line
 
 
 def test_a_directory_config_is_read_from_config_json(tmp_path: Path) -> None:

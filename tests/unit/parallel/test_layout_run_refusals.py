@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import rltune.models.load
-from rltune.cli import main
+from test_layout import train_before_loading
+
 from rltune.config import load_config
 from rltune.parallel.layout import LayoutError, run_layout
 
@@ -209,20 +209,8 @@ def test_a_world_size_below_one_is_refused(monkeypatch: pytest.MonkeyPatch, valu
 def test_train_refuses_lora_on_fsdp2_learners_in_one_line_before_anything_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setenv("COLUMNS", "500")  # rich wraps at 80 columns without a terminal
-
-    def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the layout was checked")
-
-    monkeypatch.setattr(rltune.models.load, "load_model", no_loading)
-    monkeypatch.setattr(rltune.models.load, "resolve_model", no_loading)
-    path = tmp_path / "run.yaml"
-    path.write_text("name: t\nmodel: {path: builtin:tiny}\ndata: {train: builtin:arith_small/train}\n"
-                    f"log: {{dir: {tmp_path}}}\n")
-    code = main(["train", str(path), *RAY2, "runtime.placement.learner_strategy=fsdp2", "model.lora.r=4"])
-    out, err = capsys.readouterr()
-    assert code == 2, (out, err)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in out + err, err
-    assert "model.lora with runtime.placement.learner_strategy=fsdp2" in lines[0]
+    code, line = train_before_loading(tmp_path, monkeypatch, capsys,
+                                      *RAY2, "runtime.placement.learner_strategy=fsdp2", "model.lora.r=4")
+    assert code == 2
+    assert "model.lora with runtime.placement.learner_strategy=fsdp2" in line
     assert not (tmp_path / "t").exists()
