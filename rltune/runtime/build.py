@@ -117,7 +117,7 @@ def _check_router_loss(cfg: Config, model_dir: str) -> None:
         return
     config = model_config_of(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     if not expert_count(config):
-        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        arch = (config.architectures or [type(config).__name__])[0]
         raise ModelLoadError(dense_router_loss_message(coef, arch))
 
 
