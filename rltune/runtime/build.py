@@ -142,35 +142,41 @@ def _check_positions(cfg: Config, model_dir: str, online: bool, data: RunData) -
     eval prompts with its new tokens) would fail or, on the CPU's decoder that reserves
     its cache up front, exhaust memory. An offline row (SFT's prompt and completion, a
     preference pair's prompt and longer response) would train on positions past the
-    model's (an IndexError for learned positions)."""
-    limit = model_positions(model_dir)
-    if limit is None:
+    model's (an IndexError for learned positions). A preference run's pairs are checked
+    as they load (:func:`_check_pairs`)."""
+    limit = _position_limit(model_dir)
+    if limit is None or is_preference(cfg):
         return
-    where = f"max_position_embeddings in {Path(model_dir) / 'config.json'}"
     if online:
         _check_generated(data.train_prompts, f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", "prompts",
-                         cfg.rollout.max_new_tokens, (limit, where))
-    elif not is_preference(cfg):
-        _check_rows(data.train_prompts, f"data.train={cfg.data.train}", (limit, where))
-    if data.eval_prompts is None or is_preference(cfg):  # a preference run's pairs: _check_pairs
+                         cfg.rollout.max_new_tokens, limit)
+    else:
+        _check_rows(data.train_prompts, f"data.train={cfg.data.train}", limit)
+    if data.eval_prompts is None:
         return
     new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     key = (f"eval.max_new_tokens={new}" if cfg.eval.max_new_tokens else
            f"eval.max_new_tokens (unset: rollout.max_new_tokens={new})")
     _check_generated(data.eval_prompts[: cfg.eval.max_prompts], key, f"eval prompts (data.eval={cfg.data.eval})", new,
-                     (limit, where), fix="lower eval.max_new_tokens or data.max_prompt_tokens")
+                     limit, fix="lower eval.max_new_tokens or data.max_prompt_tokens")
 
 
 def _check_pairs(cfg: Config, model_dir: str, train: list[Prompt], held_out: list[Prompt] | None) -> None:
     """:func:`_check_positions` for a preference run's pairs, called as they load: before
     the model loads and DPO's reference log-probs are computed and written."""
-    limit = model_positions(model_dir)
+    limit = _position_limit(model_dir)
     if limit is None:
         return
-    where = (limit, f"max_position_embeddings in {Path(model_dir) / 'config.json'}")
-    _check_rows(train, f"data.train={cfg.data.train}", where)
+    _check_rows(train, f"data.train={cfg.data.train}", limit)
     if held_out is not None:
-        _check_rows(held_out, f"data.eval={cfg.data.eval}", where)
+        _check_rows(held_out, f"data.eval={cfg.data.eval}", limit)
+
+
+def _position_limit(model_dir: str) -> tuple[int, str] | None:
+    """The model's positions and where they are read from, for the messages; None when
+    they cannot be judged (:func:`~rltune.runtime.roles.model_positions`)."""
+    limit = model_positions(model_dir)
+    return None if limit is None else (limit, f"max_position_embeddings in {Path(model_dir) / 'config.json'}")
 
 
 def _check_generated(prompts: list[Prompt], key: str, what: str, new_tokens: int, limit: tuple[int, str], *,

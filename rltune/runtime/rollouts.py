@@ -262,7 +262,7 @@ class AsyncRollouts:
         produced = QueuedBatch(prompts, rollouts,
                                {**metrics.result(), **{k: v for k, v in clock.metrics().items()
                                                        if k in (keys.time_key("generate"), keys.time_key("score"))}},
-                               version, dropped=list(getattr(self._collector, "dropped", ())))  # none: nothing dropped
+                               version, dropped=list(self._collector.dropped))
         with self._lock:
             self._queue.append(produced)
             self._busy = False

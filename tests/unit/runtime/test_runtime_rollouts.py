@@ -24,6 +24,7 @@ class Fake:
                  load_s: float = 0.0) -> None:
         self.next_id = 0
         self.version = 0
+        self.dropped: list = []  # as a Collector's: no group is dropped here
         self.loads: list[int] = []
         self.copies: list[int] = []
         """The value of ``w`` in each dict of weights loaded, as copied."""
