@@ -164,14 +164,39 @@ class EpisodeGenerator:
                     "shorten what reset returns or lower rollout.max_new_tokens")
         return None
 
+    def _room(self, episode: _Episode) -> int:
+        """How many more tokens ``episode`` may take: ``max_total_tokens`` after the
+        prompt, and no position past the model's ``max_positions``."""
+        room = self.max_total_tokens - len(episode.ids)
+        if self.max_positions is not None:
+            room = min(room, self.max_positions - len(episode.prompt_ids) - len(episode.ids))
+        return room
+
+    def _generate_turn(self, live: list[_Episode], params: SamplingParams, stop: tuple[str, ...],
+                       budget: list[int]) -> list[Rollout]:
+        """The next turn of every ``live`` episode, in one batched call of the turn's length
+        (the largest room, so each is cut to its own room after). An episode that such a
+        turn would take past the model's positions is generated on its own call of its
+        room's length (rare: only near the positions), so no sequence passes them."""
+        turn = max(1, min(params.max_new_tokens, max(budget)))
+        lengths = [
+            turn if self.max_positions is None or len(e.prompt_ids) + len(e.ids) + turn <= self.max_positions else room
+            for e, room in zip(live, budget)
+        ]
+        outs: list[Rollout | None] = [None] * len(live)
+        for length in sorted(set(lengths), reverse=True):
+            rows = [i for i, n in enumerate(lengths) if n == length]
+            turn_params = SamplingParams(
+                n=1, max_new_tokens=length,
+                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, stop=stop,
+            )
+            for i, out in zip(rows, self.generator.generate([live[i].context() for i in rows], turn_params)):
+                outs[i] = out
+        return outs  # type: ignore[return-value]
+
     def _play_turn(self, live: list[_Episode], params: SamplingParams, stop: tuple[str, ...], *, last: bool) -> None:
-        budget = [self.max_total_tokens - len(e.ids) for e in live]
-        contexts = [e.context() for e in live]
-        turn_params = SamplingParams(
-            n=1, max_new_tokens=max(1, min(params.max_new_tokens, max(budget))),
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, stop=stop,
-        )
-        outs = self.generator.generate(contexts, turn_params)
+        budget = [self._room(e) for e in live]
+        outs = self._generate_turn(live, params, stop, budget)
         for episode, out, room in zip(live, outs, budget):
             ids = out.completion_ids[:room].tolist()
             logprobs = (
@@ -184,7 +209,7 @@ class EpisodeGenerator:
             action = self.tokenizer.decode(ids, skip_special_tokens=True)
             episode.last_text = action
             episode.turns.append({"role": "assistant", "content": action, "tokens": len(ids), "trained": True})
-            if len(episode.ids) >= self.max_total_tokens:
+            if self._room(episode) <= 0:
                 episode.done, episode.finish_reason = True, "length"
                 continue
             episode.cut = out.finish_reason == "length"
@@ -224,7 +249,7 @@ class EpisodeGenerator:
         observation = result.observation or ""
         text = self.glue.observation_text(observation, ended_turn=ended_turn)
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(episode.ids) + len(ids) >= self.max_total_tokens:
+        if len(ids) >= self._room(episode):  # no room left after it for a turn
             episode.done, episode.finish_reason = True, "length"
             return
         episode.ids += ids

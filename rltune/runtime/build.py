@@ -80,8 +80,7 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
         check_critic_vocabulary(cfg, model_dir, tokenizer)
     preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir, roles.device) if is_preference(cfg) else None
     data = _run_data(cfg, inputs, tokenizer, processor, preference)
-    if inputs.make_env is None:  # an environment's episodes are held to the positions as they are played
-        _check_positions(cfg, model_dir, inputs.algorithm.online, data)
+    _check_positions(cfg, model_dir, inputs.algorithm.online, data)
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
@@ -143,22 +142,33 @@ def _check_positions(cfg: Config, model_dir: str, online: bool, data: RunData) -
     its cache up front, exhaust memory. An offline row (SFT's prompt and completion, a
     preference pair's prompt and longer response) would train on positions past the
     model's (an IndexError for learned positions). A preference run's pairs are checked
-    as they load (:func:`_check_pairs`)."""
+    as they load (:func:`_check_pairs`). With an environment, a prompt is checked with its
+    first turn (at most ``env.max_total_tokens``); the turns after it end their episode
+    at the positions as they are played (:class:`~rltune.envs.episodes.EpisodeGenerator`)."""
     limit = _position_limit(model_dir)
     if limit is None or is_preference(cfg):
         return
+    budget = cfg.env.max_total_tokens if cfg.env.name is not None else None
     if online:
-        _check_generated(data.train_prompts, f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", "prompts",
-                         cfg.rollout.max_new_tokens, limit)
+        key, new = _first_turn(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", cfg.rollout.max_new_tokens, budget)
+        _check_generated(data.train_prompts, key, "prompts", new, limit)
     else:
         _check_rows(data.train_prompts, f"data.train={cfg.data.train}", limit)
     if data.eval_prompts is None:
         return
     new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    key = (f"eval.max_new_tokens={new}" if cfg.eval.max_new_tokens else
-           f"eval.max_new_tokens (unset: rollout.max_new_tokens={new})")
+    key, new = _first_turn(f"eval.max_new_tokens={new}" if cfg.eval.max_new_tokens else
+                           f"eval.max_new_tokens (unset: rollout.max_new_tokens={new})", new, budget)
     _check_generated(data.eval_prompts[: cfg.eval.max_prompts], key, f"eval prompts (data.eval={cfg.data.eval})", new,
                      limit, fix="lower eval.max_new_tokens or data.max_prompt_tokens")
+
+
+def _first_turn(key: str, new_tokens: int, budget: int | None) -> tuple[str, int]:
+    """The key and count of a first turn's new tokens: ``new_tokens``, or an environment's
+    ``budget`` (``env.max_total_tokens``) where that is smaller."""
+    if budget is None or budget >= new_tokens:
+        return key, new_tokens
+    return f"env.max_total_tokens={budget} (the first turn's budget)", budget
 
 
 def _check_pairs(cfg: Config, model_dir: str, train: list[Prompt], held_out: list[Prompt] | None) -> None:

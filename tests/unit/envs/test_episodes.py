@@ -68,6 +68,7 @@ def _runner(script, make_env, **kw) -> tuple[EpisodeGenerator, Scripted]:
     runner = EpisodeGenerator(
         gen, TOK, make_env, glue=turn_glue(TOK), encode=lambda p: encode_prompt(TOK, p),
         max_turns=kw.get("max_turns", 3), max_total_tokens=kw.get("max_total_tokens", 400), eos_ids=[EOS],
+        max_positions=kw.get("max_positions"),
     )
     return runner, gen
 
@@ -130,6 +131,38 @@ def test_groups_rewards_errors_and_limits() -> None:
     assert second.text == "seen 1" and len(second.completion_ids) == 5  # "stop" + EOS
     assert second.env_reward == 0.25 and second.finish_reason == "stop"
     assert failed.env_reward is None and failed.env_error == "env: step raised KeyError: 'no such state'"
+
+
+def test_the_models_positions_end_an_episode_with_length_and_no_turn_passes_them() -> None:
+    prompt = _prompt("q", "?")
+    n_call = len(TOK(CALL, add_special_tokens=False)["input_ids"])
+    limit = len(prompt.input_ids) + n_call + 30  # the call, its observation, then a few tokens
+    runner, gen = _runner({"q": [CALL, "4" * 200]}, lambda: ToolEnv({"calculator": calculator}), max_positions=limit)
+    [r] = runner.generate([prompt], SamplingParams(n=1, max_new_tokens=200))
+    assert len(prompt.input_ids) + len(r.completion_ids) == limit and r.finish_reason == "length"
+    # every call asked for no more new tokens than its context left positions for
+    assert [len(c) + p.max_new_tokens for c, p in zip(gen.contexts, gen.params)] == [limit, limit]
+    assert r.turns[-1]["role"] == "assistant" and r.loss_mask[-1] == 1.0
+
+
+def test_only_an_episode_near_the_positions_gets_a_shorter_turn_of_its_own() -> None:
+    near, far = _prompt("near", "x" * 40), _prompt("far", "?")
+    limit = len(near.input_ids) + 12
+    runner, gen = _runner({"near": ["7" * 50], "far": ["8" * 50]}, lambda: ToolEnv({"calculator": calculator}), max_turns=1,
+                          max_positions=limit)
+    a, b = runner.generate([near, far], SamplingParams(n=1, max_new_tokens=20))
+    assert len(a.completion_ids) == 12 and a.finish_reason == "length"
+    assert len(b.completion_ids) == 20  # its turn as asked, not cut to its neighbour's room
+    assert sorted(p.max_new_tokens for p in gen.params) == [12, 20]
+
+
+def test_an_observation_that_fills_the_positions_ends_the_episode() -> None:
+    prompt = _prompt("q", "?")
+    n_call = len(TOK(CALL, add_special_tokens=False)["input_ids"])
+    limit = len(prompt.input_ids) + n_call + 3  # the observation's markers alone take more
+    runner, gen = _runner({"q": [CALL, "42"]}, lambda: ToolEnv({"calculator": calculator}), max_positions=limit)
+    [r] = runner.generate([prompt], SamplingParams(n=1, max_new_tokens=100))
+    assert len(r.completion_ids) == n_call and r.finish_reason == "length" and len(gen.contexts) == 1
 
 
 def test_the_token_budget_ends_an_episode_with_length() -> None:

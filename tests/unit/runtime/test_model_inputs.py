@@ -190,3 +190,18 @@ def test_preference_pairs_longer_than_the_positions_are_refused(tmp_path, tiny_p
     assert " longer response tokens = " in str(err.value)
     # refused as the pairs load: no reference log-probs were computed and written
     assert not list((tmp_path / "runs").rglob("*.safetensors"))
+
+
+def test_a_prompt_and_an_environments_first_turn_must_fit_the_positions(tmp_path, tiny_path) -> None:
+    limit = _positions(tiny_path)
+    env = ("env={name: 'builtin:tools', kwargs: {tools: [calculator]}}", "algo.group_size=2")
+    # the first turn is the smaller of rollout.max_new_tokens and env.max_total_tokens
+    with pytest.raises(ConfigError, match=rf"^env.max_total_tokens={limit - 1} \(the first turn's budget\) after "
+                                          rf"prompts of up to \d+ tokens needs \d+ positions, but the model has {limit}"):
+        _build(tmp_path, tiny_path, *env, f"rollout.max_new_tokens={limit}", f"env.max_total_tokens={limit - 1}")
+    with pytest.raises(ConfigError, match=rf"^rollout.max_new_tokens={limit - 1} after prompts"):
+        _build(tmp_path, tiny_path, *env, f"rollout.max_new_tokens={limit - 1}", f"env.max_total_tokens={limit}")
+    # a budget past the positions is accepted: the turns after the first end at them as played
+    run = _build(tmp_path, tiny_path, *env, "rollout.max_new_tokens=16", f"env.max_total_tokens={2 * limit}",
+                 "name=ok")
+    assert run.roles.generator.max_positions == limit
