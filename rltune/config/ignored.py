@@ -1,6 +1,7 @@
 """Settings a run does not read in its configuration, refused when set away from their
 defaults (a recipe may still spell a default out): the vLLM engine's keys without that
-engine, the producer thread's cores without a producer thread, an environment in a run
+engine, Ray's keys (placement, weight sync, restarts, the cluster's address) in a local
+run, the producer thread's cores without a producer thread, an environment in a run
 that plays no episodes, and the cosine schedule's floor on a constant schedule. An
 environment's other keys without ``env.name`` are not refused: ``env.name=null`` is how a
 recipe's environment is turned off.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rltune.config.runtime import RAY_ONLY, ray_keys_set
 from rltune.config.vllm import vllm_keys_set
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ def unread_prefixes(cfg: Config, *, plays_episodes: bool) -> tuple[str, ...]:
     unread = []
     if cfg.rollout.engine != "vllm":
         unread.append("rollout.vllm.")
+    if cfg.runtime.mode != "ray":
+        unread += [f"runtime.{key}." if key == "placement" else f"runtime.{key}" for key in RAY_ONLY]
     if cfg.runtime.mode != "local" or cfg.runtime.max_staleness == 0:
         unread.append("rollout.threads")
     if cfg.env.name is None or not plays_episodes:
@@ -56,6 +60,12 @@ def unused_setting_problems(cfg: Config, *, plays_episodes: bool, algorithm: str
             f"or remove {_pick(keys, 'it', 'them')}"
         )
     r = cfg.runtime
+    if r.mode != "ray" and (keys := ray_keys_set(r)):
+        problems.append(
+            f"{_listed(keys)} {_pick(keys, 'configures', 'configure')} Ray's actors (runtime.mode: ray), and "
+            f"runtime.mode={r.mode} runs every role in this process; set runtime.mode: ray, or remove "
+            f"{_pick(keys, 'it', 'them')}"
+        )
     if cfg.rollout.threads is not None and (r.mode != "local" or r.max_staleness == 0):
         where = ("on Ray the generators use the CPUs they reserve (runtime.placement.generator.cpus): remove it"
                  if r.mode == "ray" else "this run generates in the learner's thread: use train.threads instead, "

@@ -98,3 +98,24 @@ class RuntimeConfig(_Section):
                 "runtime.device at auto"
             )
         return self
+
+
+RAY_ONLY = ("ray_address", "placement", "weight_sync", "actor_restarts", "learner_restarts")
+"""The ``runtime`` keys only ``runtime.mode: ray`` reads: the local runtime starts no Ray,
+places no actors and restarts none."""
+
+
+def ray_keys_set(runtime: RuntimeConfig) -> list[str]:
+    """The Ray-only keys (:data:`RAY_ONLY`) of ``runtime`` set away from their defaults, each
+    as ``runtime.key=value`` (``runtime.placement.learner.gpus=1.0`` inside placement)."""
+    default = RuntimeConfig()
+    return [f"runtime.{key}={value}" for name in RAY_ONLY
+            for key, value in _changed(name, getattr(runtime, name), getattr(default, name))]
+
+
+def _changed(key: str, value: object, default: object) -> list[tuple[str, object]]:
+    """``(dotted key, value)`` of ``value``'s leaves that differ from ``default``'s."""
+    if isinstance(value, BaseModel) and isinstance(default, BaseModel):
+        return [pair for name in type(value).model_fields
+                for pair in _changed(f"{key}.{name}", getattr(value, name), getattr(default, name))]
+    return [] if value == default else [(key, value)]

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from rltune.config.runtime import RAY_ONLY
 from rltune.plan.errors import PlanError
 from rltune.plan.search import PlanResult
 from rltune.plan.spec import GB, Candidate, Cluster, Plan, StepTime, Workload
@@ -201,9 +202,6 @@ def _resources(gpus: float, cluster: Cluster | None) -> dict[str, float]:
     return {"cpus": 1.0, "gpus": float(gpus)}
 
 
-RAY_ONLY = ("placement", "weight_sync")
-"""The ``runtime`` keys a plan writes for Ray only: the local runtime (one device) reads
-neither, so a one-device plan writes neither and drops the input's."""
 
 
 def _runtime_section(c: Candidate, cluster: Cluster | None, *, parallel: bool) -> dict[str, Any]:
@@ -263,7 +261,7 @@ def _drop_replaced(merged: dict[str, Any], sections: dict[str, Any]) -> None:
     """Remove from ``merged`` the input's keys that the plan's sections replace by leaving
     them out: ``train.parallel`` for a DDP learner (the input's layout would shard it),
     ``runtime.placement.learner_strategy`` beside a planned ``train.parallel`` (not read
-    there), the Ray keys (:data:`RAY_ONLY`) of a local plan, and ``runtime.device`` of a
+    there), the Ray keys (:data:`~rltune.config.runtime.RAY_ONLY`) of a local plan, and ``runtime.device`` of a
     Ray plan (each actor's device comes from its placement)."""
     train, runtime = merged.get("train"), merged.get("runtime")
     if "parallel" not in sections["train"] and isinstance(train, dict):

@@ -1,6 +1,6 @@
 """Settings that this run would not read are refused when set away from their defaults
 (a recipe may still spell a default out): the vLLM engine's keys without that engine, the
-producer thread's cores without a producer thread, and the cosine schedule's floor on a constant schedule. Checked when a run
+producer thread's cores without a producer thread, Ray's keys in a local run, and the cosine schedule's floor on a constant schedule. Checked when a run
 starts (``setting_problems``), so a saved config that holds one still loads."""
 
 from __future__ import annotations
@@ -71,3 +71,23 @@ def test_min_lr_ratio_on_a_constant_schedule_is_refused() -> None:
         config("train.min_lr_ratio=0.1")
     assert config("train.min_lr_ratio=0").train.schedule == "constant"
     assert config("train.schedule=cosine", "train.min_lr_ratio=0.1").train.min_lr_ratio == 0.1
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["runtime.weight_sync=broadcast"],
+     r"^runtime.weight_sync=broadcast configures Ray's actors \(runtime.mode: ray\), and runtime.mode=local runs "
+     r"every role in this process; set runtime.mode: ray, or remove it$"),
+    (["runtime.placement.learners=2", "runtime.placement.learner.gpus=1", "runtime.ray_address=auto",
+      "runtime.learner_restarts=0"],
+     r"^runtime.ray_address=auto and runtime.placement.learners=2 and runtime.placement.learner.gpus=1.0 and "
+     r"runtime.learner_restarts=0 configure Ray's actors .* or remove them$"),
+])
+def test_ray_keys_in_a_local_run_are_refused(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(*overrides)
+
+
+def test_ray_keys_at_their_defaults_or_on_ray_are_accepted() -> None:
+    assert config("runtime.actor_restarts=3", "runtime.placement.learners=1").runtime.mode == "local"
+    ray = config("runtime.mode=ray", "runtime.placement.learners=2", "runtime.weight_sync=broadcast")
+    assert ray.runtime.placement.learners == 2

@@ -1,15 +1,17 @@
 """The config sections a plan writes hold only keys the planned runtime reads: no
 ``runtime.placement.learner_strategy`` beside a ``train.parallel`` layout (the layout's
-degrees decide, the strategy is not read), and no Ray placement or weight sync in a
-one-device (local) plan; ``write_config`` drops the input's keys of those kinds too."""
+degrees decide, the strategy is not read), and none of Ray's keys (placement, weight
+sync, restarts, the cluster's address) in a one-device (local) plan; ``write_config`` drops the input's keys of those kinds too."""
 
 from __future__ import annotations
 
 import yaml
 
+from rltune.algos import ALGORITHMS
 from rltune.config import load_config
 from rltune.plan.report import config_sections, write_config
 from rltune.plan.spec import Candidate, Cluster, LearnerLayout, Plan, RoleMemory, StepTime
+from rltune.runtime.build import setting_problems
 
 SHARDED = Candidate(learner=LearnerLayout(dp_shard=4, tp=2), generator_tp=2, generator_replicas=2, colocate=False,
                     micro_batch_tokens=4096)
@@ -54,13 +56,16 @@ def test_written_layout_drops_the_inputs_strategy(tmp_path):
 
 
 def test_written_local_plan_drops_the_inputs_ray_keys(tmp_path):
-    base = _base(tmp_path, runtime={"mode": "ray", "weight_sync": "broadcast",
+    base = _base(tmp_path, runtime={"mode": "ray", "weight_sync": "broadcast", "ray_address": "auto",
+                                    "actor_restarts": 5, "learner_restarts": 0, "reward_workers": 2,
                                     "placement": {"learners": 4, "learner_strategy": "fsdp2"}})
     out = write_config(base, _plan(ONE), tmp_path / "out.yaml", Cluster(gpus=1, kind="cpu"))
     written = yaml.safe_load(out.read_text())
-    assert written["runtime"] == {"mode": "local", "max_staleness": 0, "device": "cpu"}
+    # the keys a local run reads stay (reward_workers); Ray's go, which it would refuse
+    assert written["runtime"] == {"mode": "local", "max_staleness": 0, "device": "cpu", "reward_workers": 2}
     cfg = load_config(out)
     assert cfg.runtime.mode == "local" and not cfg.runtime.placement.model_fields_set
+    assert setting_problems(ALGORITHMS[cfg.algo.name], cfg) == []
 
 
 def test_written_ray_plan_drops_the_inputs_local_device(tmp_path):
