@@ -153,21 +153,50 @@ def layout_problems(layout: Layout, world: int, model_config: Any) -> list[str]:
     return problems
 
 
+TP_DENSE = ("llama", "mistral", "qwen2", "qwen3")
+TP_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+TP_MODEL_TYPES = TP_DENSE + TP_MOE
+"""``config.model_type`` values tensor parallelism has a plan for
+(:func:`rltune.parallel.tensor.apply_tensor_parallel`)."""
+
+
+def tp_widths(config: Any) -> dict[str, int]:
+    """The MLP widths tensor parallelism splits besides heads and vocabulary: a dense
+    model's ``intermediate_size`` (also an MoE model's with dense layers) and a shared
+    expert's."""
+    model_type = getattr(config, "model_type", None)
+    widths = {}
+    if model_type in TP_DENSE or getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) > 1:
+        widths["intermediate_size"] = config.intermediate_size
+    if getattr(config, "shared_expert_intermediate_size", None):
+        widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return widths
+
+
 def _model_problems(layout: Layout, config: Any) -> list[str]:
     """The problems of ``layout`` that come from the model's shapes (a vision-language
-    model's are its language model's: the learner's layout splits that)."""
+    model's are its language model's: the learner's layout splits that), and tensor
+    parallelism on a model it has no plan for (by the model's own ``model_type``: a
+    vision-language model's is its own, not its language model's)."""
     problems = []
+    top_type = getattr(config, "model_type", None)
+    if layout.tp > 1 and top_type not in TP_MODEL_TYPES:
+        problems.append(f"train.parallel.tp={layout.tp}: tensor parallelism has no plan for model_type "
+                        f"{top_type!r}; supported model types: {', '.join(TP_MODEL_TYPES)}; set tp: 1 for this model")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = getattr(config, "model_type", "the model")
-    counts = {key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads", "vocab_size")}
+    names = ("num_attention_heads", "num_key_value_heads", "vocab_size")
+    counts = {key: getattr(config, key, None) for key in names}
+    if layout.tp > 1 and top_type in TP_MODEL_TYPES:
+        counts |= tp_widths(config)
     counts = {key: int(n) for key, n in counts.items() if n is not None}
     uneven = {key: n for key, n in counts.items() if n % layout.tp}
     if uneven:
         common = [d for d in _divisors(min(counts.values())) if all(n % d == 0 for n in counts.values())]
         problems.append(
             f"train.parallel.tp={layout.tp} does not divide {name}'s "
-            f"{', '.join(f'{key}={n}' for key, n in uneven.items())} (tensor parallelism splits the heads "
-            f"and the vocabulary evenly); choose tp among {common}"
+            f"{', '.join(f'{key}={n}' for key, n in uneven.items())} (tensor parallelism splits the heads, "
+            f"the vocabulary and the MLP widths evenly); choose tp among {common}"
         )
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and layout.pp > layers:

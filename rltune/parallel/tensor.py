@@ -56,9 +56,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3")
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED = DENSE + MOE
+from rltune.parallel.layout import TP_MODEL_TYPES, tp_widths
+
+SUPPORTED = TP_MODEL_TYPES
 """``config.model_type`` values :func:`apply_tensor_parallel` has a plan for."""
 
 
@@ -180,19 +180,12 @@ def _check_divisible(config: Any, tp: int, model_type: str) -> None:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         "vocab_size": config.vocab_size,
     }
-    if model_type in DENSE or _has_dense_layers(config):
-        sizes["intermediate_size"] = config.intermediate_size
-    if getattr(config, "shared_expert_intermediate_size", None):
-        sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    sizes |= tp_widths(config)
     bad = {name: size for name, size in sizes.items() if size % tp}
     if bad:
         raise TensorParallelError(
             f"train.parallel.tp={tp} does not divide the model's {bad} ({model_type}); "
             f"choose a tp that divides {sorted(sizes.values())}")
-
-
-def _has_dense_layers(config: Any) -> bool:
-    return bool(getattr(config, "mlp_only_layers", None)) or getattr(config, "decoder_sparse_step", 1) > 1
 
 
 def _parallelize_layer(layer: nn.Module, mesh: DeviceMesh, sp: bool) -> None:
@@ -264,8 +257,6 @@ def _present(model: nn.Module, name: str) -> bool:
 
 
 __all__ = [
-    "DENSE",
-    "MOE",
     "SUPPORTED",
     "TensorParallelError",
     "apply_tensor_parallel",

@@ -26,6 +26,8 @@ from rltune.parallel.layout import (
 
 TINY = model_config_of("builtin:tiny")  # 4 heads, 2 KV heads, 4 layers, vocab 260, dense
 MOE = model_config_of("builtin:tiny-moe")  # 4 experts, 2 layers
+NARROW_MLP = SimpleNamespace(model_type="qwen2", num_attention_heads=4, num_key_value_heads=4, vocab_size=260,
+                             intermediate_size=6)  # only the MLP's width does not split 4 ways
 WIDE = SimpleNamespace(model_type="wide", num_attention_heads=8, num_key_value_heads=8, vocab_size=260,
                        num_hidden_layers=4)  # only the vocabulary refuses tp=8
 
@@ -72,11 +74,14 @@ def test_any_key_under_train_parallel_makes_the_layout_its_own() -> None:
 
 @pytest.mark.parametrize(("layout", "model", "needle"), [
     (Layout(tp=3), TINY, "tp=3 does not divide qwen2's num_attention_heads=4, num_key_value_heads=2, "
-                         "vocab_size=260 (tensor parallelism splits the heads and the vocabulary evenly); "
-                         "choose tp among [1, 2]"),
+                         "vocab_size=260, intermediate_size=512 (tensor parallelism splits the heads, the "
+                         "vocabulary and the MLP widths evenly); choose tp among [1, 2]"),
     (Layout(tp=4), TINY, "tp=4 does not divide qwen2's num_key_value_heads=2 ("),
-    (Layout(tp=8), WIDE, "tp=8 does not divide wide's vocab_size=260 (tensor parallelism splits the heads and "
-                         "the vocabulary evenly); choose tp among [1, 2, 4]"),
+    (Layout(tp=8), WIDE, "tp=8 does not divide wide's vocab_size=260 (tensor parallelism splits the heads, "
+                         "the vocabulary and the MLP widths evenly); choose tp among [1, 2, 4]"),
+    (Layout(tp=2), WIDE, "train.parallel.tp=2: tensor parallelism has no plan for model_type 'wide'; supported "
+                         "model types: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe; set tp: 1"),
+    (Layout(tp=4), NARROW_MLP, "tp=4 does not divide qwen2's intermediate_size=6 ("),
     (Layout(pp=5), TINY, "pp=5 stages, but qwen2 has 4 layers (each stage needs at least one); set pp <= 4"),
     (Layout(ep=2), TINY, "ep=2, but qwen2 is dense (no experts to split); set ep=1"),
     (Layout(ep=3), MOE, "ep=3 does not divide qwen2_moe's 4 experts; choose ep among [1, 2, 4]"),

@@ -214,3 +214,16 @@ def test_train_refuses_lora_on_fsdp2_learners_in_one_line_before_anything_loads(
     assert code == 2
     assert "model.lora with runtime.placement.learner_strategy=fsdp2" in line
     assert not (tmp_path / "t").exists()
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+def test_tp_on_a_model_type_without_a_plan_is_refused_before_ray_starts() -> None:
+    """A vision-language model's own type (qwen2_vl) has no plan, though its language
+    model's (qwen2) has: the learner splits the whole model, so the type is the model's."""
+    message = refusal(*RAY2, "train.parallel.tp=2", "model.path=builtin:tiny-vl")
+    assert message.endswith("train.parallel.tp=2: tensor parallelism has no plan for model_type 'qwen2_vl'; "
+                            "supported model types: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe; "
+                            "set tp: 1 for this model")
+    assert run_layout(config(*RAY2, "train.parallel.tp=2")).tp == 2  # the text model's own plan
