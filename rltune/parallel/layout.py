@@ -365,10 +365,14 @@ def _lora_problems(cfg: Any) -> list[str]:
 
 
 def _pipeline_problems(cfg: Any, layout: Layout, model_config: Any) -> list[str]:
-    """The options pipeline stages refuse, from the config alone: the router
-    load-balancing loss of an MoE model (``model.router_aux_loss_coef``, else the model
+    """The options pipeline stages refuse, from the config alone: a vision-language
+    model, the router load-balancing loss of an MoE model (``model.router_aux_loss_coef``, else the model
     config's own), routing replay, aux-free balancing, and LoRA."""
     problems = []
+    if model_config is not None and getattr(model_config, "vision_config", None) is not None:
+        problems.append(f"train.parallel.pp={layout.pp}: pipeline stages run token ids only, and model_type "
+                        f"{getattr(model_config, 'model_type', None)!r} is a vision-language model (images go "
+                        "through its vision tower first); set pp: 1")
     if model_config is not None and expert_count(model_config) > 1:  # a dense model adds no router loss
         coef = cfg.model.router_aux_loss_coef
         if coef is None and _config_value(model_config, "router_aux_loss_coef"):

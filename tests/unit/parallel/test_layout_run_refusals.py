@@ -227,3 +227,9 @@ def test_tp_on_a_model_type_without_a_plan_is_refused_before_ray_starts() -> Non
                             "supported model types: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe; "
                             "set tp: 1 for this model")
     assert run_layout(config(*RAY2, "train.parallel.tp=2")).tp == 2  # the text model's own plan
+
+
+def test_pp_on_a_vision_language_model_is_refused_before_ray_starts() -> None:
+    message = refusal(*RAY2, "train.parallel.pp=2", "model.path=builtin:tiny-vl")
+    assert message.endswith("train.parallel.pp=2: pipeline stages run token ids only, and model_type 'qwen2_vl' is a "
+                            "vision-language model (images go through its vision tower first); set pp: 1")
