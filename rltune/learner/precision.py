@@ -73,11 +73,19 @@ def fp8_problems(*, cuda: bool | None = None, capability: tuple[int, int] | None
     return problems
 
 
-def precision_problems(precision: str, layout: Any = None) -> list[str]:
+def precision_problems(precision: str, layout: Any = None, *, learner_gpus: float | None = None) -> list[str]:
     """Every reason ``train.precision = precision`` cannot train with ``layout`` (a
-    :class:`rltune.parallel.layout.Layout`, or None: one process) on this machine."""
+    :class:`rltune.parallel.layout.Layout`, or None: one process) on this machine.
+    ``learner_gpus``: on Ray, the GPUs each learner actor reserves; the learners train on
+    other machines than this one (a head node or a laptop often has no GPU), so fp8 is
+    checked only for a GPU reserved here, and each learner checks its own GPU as it starts."""
     problems = []
-    if precision == "fp8":
+    if precision == "fp8" and learner_gpus is not None:
+        if learner_gpus <= 0:
+            problems.append("train.precision=fp8 trains the linear layers in float8 on the learners' GPUs, and the "
+                            "learners reserve none (runtime.placement.learner.gpus: 0); set "
+                            "runtime.placement.learner.gpus: 1, or use train.precision=bf16 (or fp16) instead")
+    elif precision == "fp8":
         found = fp8_problems()
         if found:
             problems.append("train.precision=fp8 cannot run here: " + "; ".join(found)
@@ -90,8 +98,11 @@ def precision_problems(precision: str, layout: Any = None) -> list[str]:
 
 def check_precision(cfg: Any, layout: Any = None) -> None:
     """Raise :class:`PrecisionError` when the run config ``cfg`` asks for a precision that
-    cannot run (checked before any model is loaded)."""
-    problems = precision_problems(cfg.train.precision, layout)
+    cannot run (checked before any model is loaded; on Ray, fp8 on the learners' own
+    machines as they start, see :func:`precision_problems`)."""
+    on_ray = cfg.runtime.mode == "ray"
+    problems = precision_problems(cfg.train.precision, layout,
+                                  learner_gpus=cfg.runtime.placement.learner.gpus if on_ray else None)
     if cfg.train.precision == "fp16" and cfg.model.dtype == "bfloat16":
         problems.append("train.precision=fp16 with model.dtype=bfloat16: fp16 autocast and its loss scaling need "
                         "float32 master weights; set model.dtype=float32, or train.precision=bf16")

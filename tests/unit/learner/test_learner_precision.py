@@ -208,3 +208,13 @@ def test_generator_samples_under_the_learner_precision(tiny_model, tiny_path):
     gaps = [float((a.completion_logprobs - b.completion_logprobs).abs().max())
             for a, b in zip(out["fp32"], out["fp16"]) if torch.equal(a.completion_ids, b.completion_ids)]
     assert gaps and max(gaps) > 0
+
+
+def test_fp8_on_ray_is_judged_by_the_learners_gpus_not_this_machines():
+    """The driver of a Ray run (a head node, a laptop) often has no GPU while the
+    learners have; it checks only that they reserve one, and each learner checks its own
+    GPU and torchao as it starts (``Precision``)."""
+    ray = ["model.path=builtin:tiny", "train.precision=fp8", "runtime.mode=ray"]
+    check_precision(load_config(None, [*ray, "runtime.placement.learner.gpus=1"]))
+    with pytest.raises(PrecisionError, match=r"the learners reserve none \(runtime.placement.learner.gpus: 0\)"):
+        check_precision(load_config(None, ray))
