@@ -187,13 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _message(err: Exception) -> str:
+    """What a user error says. One raised inside a Ray actor reaches the driver as Ray's
+    ``RayTaskError(ErrorType)`` (an instance of the error's own type too), whose text is
+    the actor's whole traceback; its ``cause`` is the error that was raised."""
+    if "ray" in sys.modules:
+        from ray.exceptions import RayTaskError
+
+        if isinstance(err, RayTaskError) and isinstance(err.cause, Exception):
+            return str(err.cause)
+    return str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
     try:
         return args.fn(args, console)
     except _user_errors() as err:
-        console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(_message(err))}", highlight=False)
         return 2
     except KeyboardInterrupt:
         console.print("interrupted")
