@@ -191,11 +191,10 @@ def _message(err: Exception) -> str:
     """What a user error says. One raised inside a Ray actor reaches the driver as Ray's
     ``RayTaskError(ErrorType)`` (an instance of the error's own type too), whose text is
     the actor's whole traceback; its ``cause`` is the error that was raised."""
-    if "ray" in sys.modules:
-        from ray.exceptions import RayTaskError
+    if "ray" in sys.modules:  # only a Ray run can raise one; Ray is an extra
+        from rltune.runtime.ray.cluster import raised_in_actor
 
-        if isinstance(err, RayTaskError) and isinstance(err.cause, Exception):
-            return str(err.cause)
+        return str(raised_in_actor(err))
     return str(err)
 
 

@@ -48,6 +48,14 @@ def death_reason(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+def raised_in_actor(err: BaseException) -> BaseException:
+    """The error an actor raised, for Ray's ``RayTaskError(ErrorType)`` that carries it to
+    the driver (its text is the actor's traceback); any other error as it is."""
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, BaseException):
+        return err.cause
+    return err
+
+
 def actor_setup(threads: int) -> None:
     """What every actor does first: ``threads`` torch threads (its CPU reservation), and no
     per-load progress bars from transformers in the driver's log."""
