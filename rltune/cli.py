@@ -200,7 +200,7 @@ def _message(err: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)  # ":ok:" in a message stays as written
     try:
         return args.fn(args, console)
     except _user_errors() as err:

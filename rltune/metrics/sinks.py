@@ -128,7 +128,7 @@ class ConsoleProgress:
     """A progress bar with step, reward, KL, seconds per step and ETA."""
 
     def __init__(self, total: int, *, start: int = 0, enabled: bool = True, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, emoji=False)  # user text: ":ok:" stays as written
         self.enabled = enabled
         self._progress = Progress(
             TextColumn("[bold]step"),
