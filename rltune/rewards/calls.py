@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import numbers
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rltune.data.records import Prompt
+from rltune.rewards.arguments import own_copy, own_kwargs, own_prompt
 from rltune.rewards.contract import SampleDropped, is_batched
 
 _MAX_SHOWN = 80  # characters of a bad return value's repr kept in its error
@@ -39,7 +41,9 @@ class RewardFn:
     ``timeout_s``: the most one call may take (None: no limit); a batched call is one
     call. ``cache``: reuse values of identical calls (turn off for a reward that is not a
     function of its inputs, e.g. one that samples). ``spec``/``base_dir``: where it was
-    loaded from, so worker processes can load it too.
+    loaded from, so worker processes can load it too. ``kwargs`` are copied for every call
+    (like the sample's data): keep them to config values, and build heavy state (a model,
+    a client) on the first call with :class:`~rltune.rewards.keyed_cache.KeyedCache`.
     """
 
     name: str
@@ -75,9 +79,14 @@ class Sample:
     completion: str
     turns: list[dict[str, Any]] | None = None
 
-    def meta(self, rf: RewardFn) -> dict[str, Any]:
-        turns = {} if self.turns is None else {"turns": self.turns}
-        return {**self.prompt.meta, **turns, **rf.kwargs}
+    def arguments(self, rf: RewardFn) -> tuple[Prompt, dict[str, Any]]:
+        """The prompt and ``meta`` of one per-sample call of ``rf``, ``meta`` being
+        ``{**prompt.meta, "turns": turns, **rf.kwargs}``: copies of the mutable parts
+        (:mod:`rltune.rewards.arguments`), so that the call cannot change the data."""
+        memo: dict[int, Any] = {}
+        prompt = own_prompt(self.prompt, memo)
+        turns = {} if self.turns is None else {"turns": own_copy(self.turns, memo)}
+        return prompt, {**prompt.meta, **turns, **own_kwargs(rf.kwargs, memo)}
 
     def key(self) -> str:
         """What a reward can depend on: the prompt (id, content, meta), the completion
@@ -164,7 +173,11 @@ def call_one(rf: RewardFn, sample: Sample) -> Outcome:
     """One call of one per-sample reward function; every failure becomes an error."""
     start = time.perf_counter()
     try:
-        value = rf.fn(sample.prompt, sample.completion, **sample.meta(rf))
+        prompt, meta = sample.arguments(rf)
+    except Exception as exc:  # an object in the data that cannot be copied
+        return _uncopyable(rf, exc)
+    try:
+        value = rf.fn(prompt, sample.completion, **meta)
     except Exception as exc:  # user code: any failure is "no score", reported by name
         return error_outcome(rf, exc, time.perf_counter() - start)
     return checked(rf, value, time.perf_counter() - start)
@@ -173,16 +186,31 @@ def call_one(rf: RewardFn, sample: Sample) -> Outcome:
 async def _call_async_one(rf: RewardFn, sample: Sample) -> list[Outcome]:
     start = time.perf_counter()
     try:
-        value = await rf.fn(sample.prompt, sample.completion, **sample.meta(rf))
+        prompt, meta = sample.arguments(rf)
+    except Exception as exc:
+        return [_uncopyable(rf, exc)]
+    try:
+        value = await rf.fn(prompt, sample.completion, **meta)
     except Exception as exc:
         return [error_outcome(rf, exc, time.perf_counter() - start)]
     return [checked(rf, value, time.perf_counter() - start)]
 
 
+def batch_arguments(rf: RewardFn, prompts: list[Prompt]) -> tuple[list[Prompt], dict[str, Any]]:
+    """The prompts and kwargs of one batched call of ``rf``, copied like a per-sample
+    call's (:meth:`Sample.arguments`); a prompt given twice is one copy given twice."""
+    memo: dict[int, Any] = {}
+    return [own_prompt(p, memo) for p in prompts], own_kwargs(rf.kwargs, memo)
+
+
 def call_batch(rf: RewardFn, prompts: list[Prompt], texts: list[str]) -> list[Outcome]:
     start = time.perf_counter()
     try:
-        values = rf.fn(prompts, texts, **rf.kwargs)
+        own, kwargs = batch_arguments(rf, prompts)
+    except Exception as exc:
+        return [_uncopyable(rf, exc)] * len(prompts)
+    try:
+        values = rf.fn(own, texts, **kwargs)
     except Exception as exc:
         return [error_outcome(rf, exc, time.perf_counter() - start)] * len(prompts)
     return _batch_outcomes(rf, values, len(prompts), time.perf_counter() - start)
@@ -191,16 +219,27 @@ def call_batch(rf: RewardFn, prompts: list[Prompt], texts: list[str]) -> list[Ou
 async def _call_async_batch(rf: RewardFn, prompts: list[Prompt], texts: list[str]) -> list[Outcome]:
     start = time.perf_counter()
     try:
-        values = await rf.fn(prompts, texts, **rf.kwargs)
+        own, kwargs = batch_arguments(rf, prompts)
+    except Exception as exc:
+        return [_uncopyable(rf, exc)] * len(prompts)
+    try:
+        values = await rf.fn(own, texts, **kwargs)
     except Exception as exc:
         return [error_outcome(rf, exc, time.perf_counter() - start)] * len(prompts)
     return _batch_outcomes(rf, values, len(prompts), time.perf_counter() - start)
 
 
+def _uncopyable(rf: RewardFn, exc: Exception) -> Outcome:
+    """A sample whose data holds an object that cannot be copied for the call (every
+    call gets its own copy; a worker process could not be sent it either)."""
+    return Outcome(None, f"{rf.name}: cannot copy the sample's prompt, meta or kwargs for the call: "
+                         f"{type(exc).__name__}: {_bounded(str(exc))}", 0.0)
+
+
 def _batch_outcomes(rf: RewardFn, values: Any, n: int, seconds: float) -> list[Outcome]:
     """A batched function's result, checked: one entry per completion. Its time is
     shared out evenly, so per-function seconds add up to the call's."""
-    kind = type(values).__name__
+    kind = type_name(values)
     unordered = isinstance(values, (Mapping, str, bytes, AbstractSet))  # list() of these is not the scores
     try:
         values = None if unordered else list(values)
@@ -233,17 +272,17 @@ def checked(rf: RewardFn, value: Any, seconds: float) -> Outcome:
     if score is None:
         return Outcome(
             None,
-            f"{rf.name}: returned {type(value).__name__} {_shown(value)} (expected {expected_reward(value)})",
+            f"{rf.name}: returned {type_name(value)} {_shown(value)} (expected {expected_reward(value)})",
             seconds,
         )
     return Outcome(score, None, seconds)
 
 
 def finite_reward(value: Any) -> float | None:
-    """``value`` as a float when it is a reward: a real number (a bool counts; a str, a
-    tensor or a list does not) that is finite in float32, the precision training reads
-    rewards in; else None."""
-    if not isinstance(value, numbers.Real):
+    """``value`` as a float when it is a reward: a real number (numpy's included; a bool,
+    Python's or numpy's, counts as 1.0 or 0.0; a str, a tensor or a list does not) that is
+    finite in float32, the precision training reads rewards in; else None."""
+    if not isinstance(value, numbers.Real) and not _is_numpy_bool(value):
         return None
     try:
         number = float(value)
@@ -260,6 +299,20 @@ def expected_reward(value: Any) -> str:
     except OverflowError:  # an int too large for a float
         beyond = True
     return "a finite number" + (" within float32's range, where training reads rewards: |r| <= 3.4e38" if beyond else "")
+
+
+def type_name(value: Any) -> str:
+    """The name of ``value``'s type for messages: numpy's types by their full name
+    (``numpy.bool``, ``numpy.float64``: not to be taken for Python's ``bool``, ``float``)."""
+    cls = type(value)
+    return f"numpy.{cls.__name__}" if cls.__module__ == "numpy" else cls.__name__
+
+
+def _is_numpy_bool(value: Any) -> bool:
+    """Whether ``value`` is a numpy bool (not a ``numbers.Real``, unlike Python's). A
+    value can only be one once numpy is imported, so this never imports it."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.bool_)
 
 
 def _shown(value: Any) -> str:

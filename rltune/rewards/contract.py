@@ -5,7 +5,9 @@ Per sample (the common form)::
     def fn(prompt: Prompt, completion: str, **meta) -> float | None
 
 ``meta`` is the prompt's ``meta`` merged with the config's ``kwargs``. ``async def`` works
-the same way: the scorer runs coroutines on one event loop, concurrently.
+the same way: the scorer runs coroutines on one event loop, concurrently. Every call, of
+any form, gets its own copies of the prompt, ``meta`` and kwargs (immutable values and
+pixel tensors shared; :mod:`rltune.rewards.arguments`): changing them is harmless.
 
 Batched (one call per scoring round: a reward model, a judge behind an API)::
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from rltune.rewards.contract import is_batched
+
 # Short module names accepted before the colon. ``builtin:NAME`` is the spelling used in
 # recipes; the full module path is the canonical one.
 _MODULE_ALIASES = {"builtin": "rltune.rewards.builtin"}
@@ -67,6 +69,7 @@ def load_callable(
     ``allow_class`` accepts a class (a factory whose instances are the objects wanted).
     Raises :class:`RewardLoadError` naming the part of the spec that is wrong."""
     target, sep, attr = spec.strip().rpartition(":")
+    target, attr = target.strip(), attr.strip()  # `rewards.py : fn` is `rewards.py:fn`
     if not sep or not target or not attr:
         part, examples = _EXAMPLES.get(what, _EXAMPLES["reward"])
         raise RewardLoadError(
@@ -82,7 +85,7 @@ def load_callable(
 
 def check_reward_signature(fn: Callable[..., Any], *, spec: str) -> None:
     """Raise :class:`RewardLoadError` unless ``fn`` takes two positional arguments
-    (``prompt``, ``completion``), or ``*args``.
+    (``prompt``, ``completion``; a batched one ``prompts``, ``completions``), or ``*args``.
 
     Callables whose signature Python cannot inspect (some C builtins) are accepted as they
     are: a wrong one then fails on every call and shows up in ``reward/errors``.
@@ -97,10 +100,16 @@ def check_reward_signature(fn: Callable[..., Any], *, spec: str) -> None:
         return
     positional = [p.name for p in params if p.kind in positional_kinds]
     if len(positional) < 2:
+        name = _name(fn)
+        if is_batched(fn):
+            form = "fn(prompts, completions, **kwargs)"
+            example = f"`@batched` over `def {name}(prompts, completions, **kwargs):`"
+        else:
+            form = "fn(prompt, completion, **meta)"
+            example = f"`def {name}(prompt, completion, **meta):`"
         raise RewardLoadError(
-            f"reward spec {spec!r}: {_name(fn)}{sig} cannot be called as "
-            "fn(prompt, completion, **meta); it needs two positional parameters, e.g. "
-            f"`def {_name(fn)}(prompt, completion, **meta):`"
+            f"reward spec {spec!r}: {name}{sig} cannot be called as {form}; it needs two "
+            f"positional parameters, e.g. {example}"
         )
 
 
@@ -114,10 +123,14 @@ def _resolve_file(target: str, *, spec: str, base_dir: str | None, what: str) ->
         candidates = [path]
     else:
         roots = ([Path(base_dir)] if base_dir is not None else []) + [Path.cwd()]
-        candidates = [(root / path).resolve() for root in roots]
+        # base_dir is often the working directory: look there once, and say so once
+        candidates = list(dict.fromkeys((root / path).resolve() for root in roots))
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    directory = next((c for c in candidates if c.is_dir()), None)
+    if directory is not None:
+        raise RewardLoadError(f"{what} spec {spec!r}: {directory} is a directory, not a Python file")
     tried = ", ".join(str(c) for c in candidates)
     raise RewardLoadError(f"{what} spec {spec!r}: file not found (looked for {tried})")
 

@@ -8,8 +8,10 @@ The pieces: :mod:`rltune.rewards.calls` (one call and what its result means),
 
 Each reward function is called as ``fn(prompt, completion, **meta)`` with
 ``meta = {**prompt.meta, **kwargs}``: keyword arguments from the config override dataset
-fields of the same name (so a recipe can pin, e.g., a ``pattern`` for every row). The other
-forms (``@batched``, ``async def``) are in :mod:`rltune.rewards.contract`.
+fields of the same name (so a recipe can pin, e.g., a ``pattern`` for every row). Each
+call gets its own copies of the mutable parts (:mod:`rltune.rewards.arguments`), so a
+reward that changes them changes neither the data nor other calls. The other forms
+(``@batched``, ``async def``) are in :mod:`rltune.rewards.contract`.
 
 The combined reward of a sample is the weighted sum ``r = sum_k w_k * r_k`` over the
 reward functions. If *any* function gives no score for a sample (it returned None, raised,
@@ -90,7 +92,7 @@ def build_reward_fns(
             )
         if not math.isfinite(config.weight):
             raise RewardLoadError(f"reward {name!r}: weight {config.weight} is not finite")
-        _check_kwargs(fn, dict(config.kwargs), name=name)
+        _check_kwargs(fn, dict(config.kwargs), name=name, spec=config.fn)
         specs_by_name[name] = config.fn
         reward_fns.append(
             RewardFn(
@@ -174,7 +176,7 @@ def _default_name(fn: Callable[..., Any], *, spec: str) -> str:
     return spec.rpartition(":")[2].strip()
 
 
-def _check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str) -> None:
+def _check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str, spec: str) -> None:
     """Config kwargs are known at load time, so check them now instead of failing on
     every sample. Dataset meta keys are only known per row and are checked by the call."""
     reserved = sorted({"prompt", "completion"} & kwargs.keys())
@@ -187,11 +189,17 @@ def _check_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], *, name: str) 
     if params is not None:
         _check_kwarg_names(params, kwargs, batched=is_batched(fn), name=name)
     check = getattr(fn, "check_kwargs", None)  # a function's own check of its config values
-    if check is not None:
-        try:
-            check(kwargs)
-        except ValueError as err:
-            raise RewardLoadError(f"reward {name!r}: {err}") from None
+    if check is None:
+        return
+    try:
+        check(kwargs)
+    except ValueError as err:  # the hook's way to refuse a value: its message says why
+        raise RewardLoadError(f"reward {name!r}: {err}") from None
+    except Exception as err:  # a bug in the hook (a KeyError, a TypeError): name where
+        raise RewardLoadError(
+            f"reward {name!r} (spec {spec!r}): its check_kwargs hook raised {type(err).__name__}: {err} "
+            "(a check_kwargs hook refuses a value by raising ValueError)"
+        ) from err
 
 
 def _check_kwarg_names(params: list[inspect.Parameter], kwargs: dict[str, Any], *, batched: bool, name: str) -> None:
