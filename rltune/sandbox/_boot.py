@@ -29,7 +29,10 @@ The steps, in order (each one a function below):
 5. Set the resource limits (``RLIMIT_NPROC`` is enforced only now that the process is not
    root, which is why step 4 exists).
 6. Say "ready" on ``status_fd`` and close it (the program never holds it), then run
-   ``main.py`` as ``__main__`` in this interpreter (no second interpreter start).
+   ``main.py`` as ``__main__`` in this interpreter (no second interpreter start). Only
+   the host reads the pipe: a host that is gone by now (it may have died before
+   ``unshare`` or ``bwrap`` had set the parent-death signal that ties them to it) makes
+   the write fail with ``EPIPE``, so the program never starts without a host to watch it.
 
 A failure in steps 1-5 is the sandbox's, not the program's: it is reported on ``status_fd``
 as ``error ...`` and the process exits with status 125.

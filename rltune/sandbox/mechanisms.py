@@ -7,7 +7,8 @@ Three mechanisms, best first (``docs/sandbox.md`` has what each isolates):
   run's own uid; run as another user it works inside a user namespace.
 - ``unshare``: util-linux ``unshare`` makes the network, PID, mount, IPC and UTS
   namespaces and the bootstrap builds the root itself (root only: without a user namespace
-  an ordinary user may not make them).
+  an ordinary user may not make them); util-linux ``setpriv`` starts it, so that it dies
+  with the host (:func:`unshare_argv`).
 - ``rlimits-only``: no namespaces at all; resource limits, a private working directory
   and, as root, a private uid. Used where neither of the others works, never silently: the
   result says so and a warning is logged once.
@@ -31,7 +32,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -157,10 +158,27 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def unshare_args() -> list[str]:
-    """Options of ``unshare`` (before the command). ``--kill-child`` ties the namespace's
-    PID 1 to ``unshare``: killing ``unshare`` (or its parent dying) ends the sandbox."""
-    return ["--net", "--pid", "--fork", "--mount", "--ipc", "--uts",
+def unshare_argv() -> list[str]:
+    """The command line before the bootstrap's: ``unshare`` and its options, started
+    through ``setpriv`` so that it dies with the host.
+
+    ``--kill-child`` ties the namespace's PID 1 to ``unshare`` (``unshare`` dying kills
+    it, and the kernel then kills the rest of the namespace), but nothing ties ``unshare``
+    to the host: were the host killed (``kill -9``, the OOM killer), ``unshare`` would be
+    reparented to init and the program would run on with no wall clock. ``setpriv
+    --pdeathsig KILL`` sets the parent-death signal before it execs ``unshare`` (it
+    survives the exec; ``--pdeathsig`` needs util-linux 2.33, which the trial run of
+    the mechanism checks), as ``bwrap --die-with-parent`` does for itself. A wrapper and not
+    a ``preexec_fn``: that would make ``subprocess`` fork the whole host instead of using
+    ``vfork`` (slow for a trainer's large address space) and run Python code in a child
+    of a threaded process (the hazard ``subprocess`` warns of).
+
+    The signal comes when the *thread* that started ``setpriv`` ends, not the process;
+    :func:`rltune.sandbox.runner.run_python` starts the sandbox in the calling thread
+    and does not return before it has reaped it, so that thread outlives the sandbox
+    unless the whole host dies."""
+    return ["setpriv", "--pdeathsig", "KILL", "--",
+            "unshare", "--net", "--pid", "--fork", "--mount", "--ipc", "--uts",
             "--propagation", "private", "--kill-child"]
 
 
@@ -184,8 +202,10 @@ def unavailable_reason(mechanism: Mechanism) -> str | None:
     if mechanism == "bwrap":
         return None if shutil.which("bwrap") else "bubblewrap (`bwrap`) is not installed"
     if mechanism == "unshare":
-        if shutil.which("unshare") is None:
-            return "util-linux `unshare` is not installed"
+        missing = [name for name in ("unshare", "setpriv") if shutil.which(name) is None]
+        if missing:  # setpriv ends the sandbox with the host (see unshare_argv)
+            names = " and ".join(f"`{name}`" for name in missing)
+            return f"util-linux {names} {'is' if len(missing) == 1 else 'are'} not installed"
         if os.geteuid() != 0:
             return "`unshare` without a user namespace needs root"
         if os.uname().machine not in PIVOT_ROOT_ARCHES:
@@ -195,11 +215,19 @@ def unavailable_reason(mechanism: Mechanism) -> str | None:
 
 
 @contextlib.contextmanager
-def lease_uid() -> Iterator[int]:
+def lease_uid(clear: Callable[[int], None]) -> Iterator[int]:
     """A uid (and gid of the same number) no other run holds, for the ``with`` block.
 
     Leases are ``flock``s on files in a root-only directory, so they hold across threads
-    and processes and are released even if this process dies."""
+    and processes and are released even if this process dies. The lock is released at
+    once then, but the dead host's sandbox may still be ending (or, for ``rlimits-only``,
+    running on): its processes must not share the next run's ``RLIMIT_NPROC`` count (nor,
+    under ``rlimits-only``, be killed by its cleanup). So a lease writes its holder's pid in the file and empties
+    it only when the block ends without an exception (the run's processes are then known
+    to be gone). A uid whose file is not empty is passed to ``clear`` first, which must
+    kill its processes within a bounded time or raise :class:`SandboxError`; a uid that
+    cannot be cleared is skipped. Checking only then keeps the scan of ``/proc`` (several
+    milliseconds on a busy machine) off the common path."""
     lock_dir = Path(tempfile.gettempdir()) / "rltune-sandbox-uids"
     lock_dir.mkdir(mode=0o700, exist_ok=True)
     info = lock_dir.stat()
@@ -209,18 +237,36 @@ def lease_uid() -> Iterator[int]:
     start = random.randrange(UID_SLOTS)
     for i in range(UID_SLOTS):
         uid = UID_BASE + (start + i) % UID_SLOTS
-        fd = os.open(lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = _take_uid(lock_dir / str(uid), uid, clear)
+        if fd is None:
             continue
         try:
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield uid
+            # reached only when the block ended without an exception; after one, the
+            # file keeps the pid, since the run may have left processes
+            os.ftruncate(fd, 0)
         finally:
             os.close(fd)
         return
-    raise SandboxError(f"all {UID_SLOTS} sandbox uids are in use")
+    raise SandboxError(f"all {UID_SLOTS} sandbox uids are in use or cannot be cleared")
+
+
+def _take_uid(path: Path, uid: int, clear: Callable[[int], None]) -> int | None:
+    """The locked lease file of ``uid``, its leftovers cleared; None when another run
+    holds it or its leftovers survived ``clear``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.pread(fd, 1, 0):  # the last holder did not end its run cleanly
+            clear(uid)
+    except (BlockingIOError, SandboxError):
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def uid_processes(uid: int) -> list[int]:

@@ -43,7 +43,7 @@ from rltune.sandbox.mechanisms import (
     mountpoint,
     probe_interpreter,
     unavailable_reason,
-    unshare_args,
+    unshare_argv,
     user_task_count,
 )
 from rltune.sandbox.watch import Io, Watch, leftover_killer, wait_uid_gone
@@ -233,12 +233,16 @@ def _execute(mechanism: Mechanism, files: dict[str, str], stdin: bytes, limits: 
     start = time.monotonic()
     as_root = os.geteuid() == 0
     with contextlib.ExitStack() as stack:
-        uid = stack.enter_context(lease_uid()) if as_root else None
+        uid = stack.enter_context(lease_uid(wait_uid_gone)) if as_root else None
         launch = _launch(mechanism, interp, limits, uid)
         if launch.host_dir is not None:
             stack.callback(shutil.rmtree, launch.host_dir, True)
         launch.spec.update(files=files, rlimits=_rlimits(mechanism, limits, uid))
         proc, status_r = _spawn(launch)
+        # Never return with the sandbox's process unreaped, even after an error: that
+        # keeps it from running on unwatched, and keeps this thread, whose end would
+        # fire its parent-death signal, alive for as long as the sandbox is.
+        stack.callback(_reap, proc)
         with contextlib.closing(Watch(proc, status_r)) as watch:
             try:
                 io = watch.communicate(stdin, limits.output_bytes,
@@ -264,13 +268,12 @@ def _launch(mechanism: Mechanism, interp: Interpreter, limits: Limits,
         spec["root"] = {"mountpoint": mountpoint(), "ro_binds": list(lay.ro_binds),
                         "symlinks": dict(lay.symlinks), "tmpfs_mb": limits.disk_mb,
                         "workdir": WORKDIR}
-        argv = ["unshare", *unshare_args(), "--", *command]
+        argv = [*unshare_argv(), "--", *command]
         return _Launch(argv, WORKDIR, _environment(WORKDIR, "/tmp"), spec)
     if uid is not None:
+        # (processes of this uid that outlived a host killed mid-run were cleared when
+        # the uid was leased: see lease_uid)
         _check_world_readable(interp)
-        # Without namespaces, processes of this uid can outlive a host that was killed
-        # mid-run: clear the uid before lending it to a new run.
-        wait_uid_gone(uid)
     host_dir = tempfile.mkdtemp(prefix="rltune-sandbox-")
     return _Launch(command, host_dir, _environment(host_dir, host_dir), spec, host_dir)
 
@@ -335,6 +338,16 @@ def _spawn(launch: _Launch) -> tuple[subprocess.Popen[bytes], int]:
         os.close(spec_fd)
         os.close(status_w)
     return proc, status_r
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill and reap the sandbox's own process if :meth:`Watch.finish` did not get to
+    (an error before or inside it). Killing it ends the sandbox: ``unshare``'s and
+    ``bwrap``'s children die with them."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # --------------------------------------------------------------------------- result

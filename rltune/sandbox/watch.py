@@ -42,7 +42,11 @@ class Watch:
     def __init__(self, proc: subprocess.Popen[bytes], status_r: int) -> None:
         self.proc = proc
         self.status_r = status_r
-        self.pidfd = os.pidfd_open(proc.pid)
+        try:
+            self.pidfd = os.pidfd_open(proc.pid)
+        except BaseException:
+            os.close(status_r)  # close() will not run
+            raise
         self.rusage_cpu: float | None = None
 
     def communicate(self, stdin: bytes, output_bytes: int, *, deadline: float,
@@ -202,7 +206,8 @@ def _kill_uid(uid: int) -> None:
 
 
 def wait_uid_gone(uid: int) -> None:
-    """Kill the processes of ``uid`` until there are none (zombies aside)."""
+    """Kill the processes of ``uid`` until there are none (zombies aside); a
+    :class:`SandboxError` if some are still there after ``_KILL_GRACE_S``."""
     end = time.monotonic() + _KILL_GRACE_S
     while uid_processes(uid):
         if time.monotonic() > end:
