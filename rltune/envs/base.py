@@ -17,8 +17,11 @@ markers around them) is not (loss mask 0). Rewards of all steps add up to the ep
 An environment is made fresh for each episode by a factory (a class or function called
 with the config's ``env.kwargs``), so it may keep per-episode state in ``self``. ``step``
 raising is a harness failure: the episode gets no score (an error, masked), it does not
-stop the run. A *tool* failing (bad arguments, a division by zero) is not a harness
-failure: show it to the model as the observation.
+stop the run; so does the factory raising. A *tool* failing (bad arguments, a division
+by zero) is not a harness failure: show it to the model as the observation.
+
+``reset`` gets a copy of the dataset's prompt (its ``meta`` copied deeply), so an
+environment that changes it changes nothing for later samples or epochs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ from typing import Protocol, runtime_checkable
 
 from rltune.data.records import Prompt
 
+MAX_OBSERVATION_CHARS = 20_000
+"""The most characters an observation may have (a first observation from ``reset``, a
+tool turn or an answer from ``step``): ten times :class:`~rltune.envs.tools.ToolEnv`'s
+default cut of tool results, and the most that ``max_result_chars`` may be set to. A
+longer one fails its episode rather than being cut: cutting would change what the
+model reads, or what reward functions score, without the environment knowing; an
+environment that means to show part of a long text cuts it itself, where it knows how.
+The check comes before any tokenising, so an oversized text costs nothing."""
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -35,7 +47,9 @@ class StepResult:
     model take another turn with nothing new to read. An ``observation`` with ``done``
     True is the episode's answer, given by the environment on the model's behalf (a
     retrieval agent answering with the passage its search found): reward functions score
-    it instead of the model's last turn."""
+    it instead of the model's last turn. ``done`` is a bool (anything else fails the
+    episode, as a reward of the wrong type does); an observation has at most
+    :data:`MAX_OBSERVATION_CHARS` characters."""
 
     observation: str | None = None
     reward: float = 0.0

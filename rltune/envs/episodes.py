@@ -22,20 +22,29 @@ observation, which then takes no tokens;
 template's markers around it; ``trained``: its loss mask), which reward functions receive
 as ``turns`` in their meta and ``samples.jsonl`` shows. ``env_reward`` is the sum of the step rewards.
 
+An environment is made by the factory for each episode and ``reset`` gets a copy of the
+prompt (:func:`prompt_copy`). The factory, ``reset`` or ``step`` raising, or returning
+a value of the wrong kind, fails that episode only (``env_error``, its rollout masked);
+so does an observation longer than :data:`~rltune.envs.base.MAX_OBSERVATION_CHARS`,
+refused before it is tokenised.
+
 The context is prefilled again each round (no KV cache across turns): simple, and cheap
 next to the decode for the short tool exchanges this runs.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from rltune.data.records import Prompt, Rollout, SamplingParams
-from rltune.envs.base import Environment, StepResult
+from rltune.envs.base import MAX_OBSERVATION_CHARS, Environment, StepResult
 from rltune.envs.tool_format import CALL_CLOSE, TurnGlue
 from rltune.rewards.calls import expected_reward, finite_reward
 
@@ -46,7 +55,7 @@ _MAX_SHOWN = 120
 class _Episode:
     prompt: Prompt
     group: int
-    env: Environment
+    env: Environment | None  # None: the factory failed
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -132,15 +141,24 @@ class EpisodeGenerator:
     # -- one round ------------------------------------------------------------------------
 
     def _start(self, prompt: Prompt, group: int, first_turn: int) -> _Episode:
-        env = self.make_env()
-        episode = _Episode(prompt, group, env, list(prompt.input_ids or []))
+        episode = _Episode(prompt, group, None, list(prompt.input_ids or []))
         try:
-            first = env.reset(prompt)
+            env = episode.env = self.make_env()
+        except Exception as exc:  # a server the factory could not reach: this episode only
+            episode.done, episode.error = True, _describe("factory", exc)
+            return episode
+        try:
+            first = env.reset(prompt_copy(prompt))
         except Exception as exc:  # an environment bug: this episode is not scored
             episode.done, episode.error = True, _describe("reset", exc)
             return episode
         if first is not None and not isinstance(first, str):  # refused like a raise
             episode.done, episode.error = True, _returned("reset", "", first, "a str or None")
+            return episode
+        if first is not None and len(first) > MAX_OBSERVATION_CHARS:  # before tokenising it
+            episode.done, episode.error = True, (
+                f"env: reset text too long: {len(first):,} characters, more than the "
+                f"{MAX_OBSERVATION_CHARS:,} an observation may have; shorten what reset returns")
             return episode
         if first is not None:
             ids = self.encode(Prompt(id=prompt.id, text=first, meta=prompt.meta))
@@ -216,26 +234,17 @@ class EpisodeGenerator:
             self._step(episode, action, ended_turn=bool(ids) and ids[-1] in self.eos_ids, last=last)
 
     def _step(self, episode: _Episode, action: str, *, ended_turn: bool, last: bool) -> None:
+        assert episode.env is not None  # an episode without one ended at its start
         try:
             result = episode.env.step(action)
         except Exception as exc:  # an environment bug: this episode is not scored
             episode.done, episode.error = True, _describe("step", exc)
             return
-        if not isinstance(result, StepResult):
-            episode.done = True
-            episode.error = f"env: step returned {type(result).__name__}, not StepResult"
+        error = _wrong_step_result(result)
+        if error is not None:
+            episode.done, episode.error = True, error
             return
-        # a value of the wrong type is an environment bug too (the rule of reward functions,
-        # rltune.rewards.calls.checked: a finite number; a str is not converted)
-        reward, observation = result.reward, result.observation
-        value = finite_reward(reward)
-        if value is None:
-            episode.done, episode.error = True, _returned("step", "reward ", reward, expected_reward(reward))
-            return
-        if observation is not None and not isinstance(observation, str):
-            episode.done, episode.error = True, _returned("step", "observation ", observation, "a str or None")
-            return
-        episode.reward += value
+        episode.reward += finite_reward(result.reward)  # type: ignore[operator]
         if result.done and result.observation is not None:
             # the environment answers for the episode (an answer tool): its text is what
             # reward functions score; it ends the episode, so it takes no tokens
@@ -276,6 +285,39 @@ class EpisodeGenerator:
             images=e.prompt.images if e.own_prompt else None,
             vision=e.prompt.vision if e.own_prompt else None,
         )
+
+
+def prompt_copy(prompt: Prompt) -> Prompt:
+    """``prompt`` as ``reset`` gets it: ``meta`` and ``messages`` copied deeply and
+    ``input_ids`` and ``images`` as new lists, so that an environment changing them changes
+    nothing in the dataset (later samples of the group, later epochs). Costs little: meta
+    is a few small fields. The pixel tensors of ``vision`` are shared (in a new dict), not
+    copied: they are the largest part of a prompt, and nothing reads them in place."""
+    return dataclasses.replace(
+        prompt, meta=copy.deepcopy(prompt.meta), messages=copy.deepcopy(prompt.messages),
+        input_ids=None if prompt.input_ids is None else list(prompt.input_ids),
+        images=None if prompt.images is None else list(prompt.images),
+        vision=None if prompt.vision is None else dict(prompt.vision),
+    )
+
+
+def _wrong_step_result(result: Any) -> str | None:
+    """Why ``result`` of ``step`` is not a usable :class:`StepResult`, or None. A value of
+    the wrong type is an environment bug (the rule of reward functions,
+    rltune.rewards.calls.checked: a finite number; a str is not converted)."""
+    if not isinstance(result, StepResult):
+        return f"env: step returned {type(result).__name__}, not StepResult"
+    reward, observation, done = result.reward, result.observation, result.done
+    if finite_reward(reward) is None:
+        return _returned("step", "reward ", reward, expected_reward(reward))
+    if observation is not None and not isinstance(observation, str):
+        return _returned("step", "observation ", observation, "a str or None")
+    if not isinstance(done, (bool, np.bool_)):  # "no" would otherwise end the episode
+        return _returned("step", "done ", done, "a bool")
+    if observation is not None and len(observation) > MAX_OBSERVATION_CHARS:
+        return (f"env: step returned an observation of {len(observation):,} characters, more "
+                f"than the {MAX_OBSERVATION_CHARS:,} an observation may have; cut it in the environment")
+    return None
 
 
 def _describe(where: str, exc: Exception) -> str:

@@ -43,10 +43,15 @@ def load_env_factory(
         raise EnvLoadError(f"env spec {spec!r} with kwargs {given}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(probe, Environment):
         raise EnvLoadError(
-            f"env spec {spec!r} made a {type(probe).__name__}, which has no reset(prompt) and "
-            "step(action) methods; see rltune.envs.base.Environment"
+            f"env spec {spec!r} made {_article(type(probe).__name__)} {type(probe).__name__}, "
+            "which has no reset(prompt) and step(action) methods; see rltune.envs.base.Environment"
         )
     return make
+
+
+def _article(noun: str) -> str:
+    """``a`` or ``an`` before ``noun`` (by its first letter: ``an object``, ``a dict``)."""
+    return "an" if noun[:1].lower() in ("a", "e", "i", "o", "u") else "a"
 
 
 def _base_dir_kwarg(factory: Callable[..., Any], kwargs: Mapping[str, Any],

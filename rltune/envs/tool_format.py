@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,13 +46,12 @@ class ToolCallError(ValueError):
 def parse_tool_call(text: str) -> ToolCall | None:
     """The last complete ``<tool_call>...</tool_call>`` of ``text``, or None when the turn
     has none (the model answered). Raises :class:`ToolCallError` for a call that is not a
-    JSON object with a string ``name`` and an object ``arguments``."""
+    JSON object with a string ``name`` and an object ``arguments`` (and no other error)."""
     calls = _CALL.findall(text)
     if not calls:
         return None
-    body = calls[-1].strip()
     try:
-        data = json.loads(body)
+        data = _json(calls[-1].strip())
     except json.JSONDecodeError as exc:
         raise ToolCallError(f"the tool call is not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
@@ -59,12 +59,27 @@ def parse_tool_call(text: str) -> ToolCall | None:
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = _json(arguments)
         except json.JSONDecodeError:
             raise ToolCallError("the tool call's arguments are not a JSON object") from None
     if not isinstance(arguments, dict):
         raise ToolCallError("the tool call's arguments are not a JSON object")
     return ToolCall(data["name"], arguments)
+
+
+def _json(text: str) -> Any:
+    """``json.loads(text)``, with what the parser refuses beyond bad syntax (nesting deeper
+    than Python's recursion allows, an integer past its digit limit) as a
+    :class:`ToolCallError` too: both are the model's writing, to be shown to it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ToolCallError("the tool call is nested too deeply to read") from None
+    except ValueError:  # int("9" * 5000): past sys.get_int_max_str_digits()
+        raise ToolCallError(f"the tool call holds an integer of more than "
+                            f"{sys.get_int_max_str_digits()} digits") from None
 
 
 def format_tool_call(call: ToolCall) -> str:

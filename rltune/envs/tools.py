@@ -2,10 +2,11 @@
 
 A tool is a plain function ``tool(**arguments) -> str``: the model's call
 ``{"name": NAME, "arguments": {...}}`` becomes ``tools[NAME](**arguments)`` and the string
-it returns is the observation. A tool that cannot do what was asked raises
-:class:`ToolError` (or TypeError/ValueError, e.g. for a missing argument): the message is
-shown to the model, which may try again. Anything else a tool raises is a harness failure
-(the episode is not scored).
+it returns is the observation. Arguments that do not fit the tool's signature (a missing
+or an unknown one) are refused before the call, and a tool that cannot do what was asked
+raises :class:`ToolError`: either way the message is shown to the model, which may try
+again. Anything else a tool raises (a TypeError or ValueError included: a broken search
+index, an embedder that fails) is a harness failure, and the episode is not scored.
 
 Built in: :func:`calculator` (arithmetic, evaluated on the syntax tree, bounded),
 :func:`python_tool` (code run in :mod:`rltune.sandbox`), and :func:`search_tool` over any
@@ -16,6 +17,7 @@ environment factory.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import math
 import operator
@@ -23,12 +25,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rltune.data.records import Prompt
-from rltune.envs.base import StepResult
+from rltune.envs.base import MAX_OBSERVATION_CHARS, StepResult
 from rltune.envs.retrieval.store import check_k
 from rltune.envs.tool_format import ToolCallError, parse_tool_call
 from rltune.rewards.keyed_cache import KeyedCache
 
 _MAX_RESULT_CHARS = 2000
+MIN_PYTHON_TIMEOUT_S = 1.0
+"""The shortest ``timeout_s`` of the python tool: the sandbox's start-up counts against
+its wall clock (about 0.05 s on an idle machine, more under load), and its CPU limit is
+whole seconds, so a shorter one would fail or not mean what it says."""
 
 
 class ToolError(Exception):
@@ -38,10 +44,12 @@ class ToolError(Exception):
 class ToolEnv:
     """An episode in which each assistant turn may call one tool. A turn without a call is
     the final answer and ends the episode; every step's reward is 0 (score the answer with
-    a reward function). Results longer than ``max_result_chars`` are cut. A call of one of
+    a reward function). Results and error messages longer than ``max_result_chars`` (at
+    most :data:`~rltune.envs.base.MAX_OBSERVATION_CHARS`) are cut. A call of one of
     ``answer_tools`` ends the episode with its result as the answer (see
     :class:`~rltune.envs.base.StepResult`): a search agent that answers with the passage
-    it found."""
+    it found. Only :class:`ToolError` and arguments that do not fit a tool's signature are
+    shown to the model; anything else a tool raises propagates (a harness failure)."""
 
     def __init__(
         self, tools: Mapping[str, Callable[..., str]], *, max_result_chars: int = _MAX_RESULT_CHARS,
@@ -53,10 +61,14 @@ class ToolEnv:
             raise ValueError(f"answer_tools must be a list of tool names, e.g. [{answer_tools}], not a string")
         if isinstance(max_result_chars, bool) or not isinstance(max_result_chars, int) or max_result_chars < 1:
             raise ValueError(f"max_result_chars must be an integer >= 1, got {max_result_chars!r}")
+        if max_result_chars > MAX_OBSERVATION_CHARS:
+            raise ValueError(f"max_result_chars must be at most {MAX_OBSERVATION_CHARS} (the most "
+                             f"characters an observation may have), got {max_result_chars!r}")
         unknown = sorted(set(answer_tools) - set(tools))
         if unknown:
             raise ValueError(f"answer_tools {unknown} are not among the tools {sorted(tools)}")
         self.tools = dict(tools)
+        self._signatures = {name: _signature(name, tool) for name, tool in self.tools.items()}
         self.answer_tools = frozenset(answer_tools)
         self.max_result_chars = max_result_chars
         self.calls = 0
@@ -69,20 +81,57 @@ class ToolEnv:
         try:
             call = parse_tool_call(action)
         except ToolCallError as exc:
-            return StepResult(observation=f"error: {exc}")
+            return self._error(str(exc))
         if call is None:
             return StepResult(done=True)
         self.calls += 1
         tool = self.tools.get(call.name)
         if tool is None:
-            return StepResult(observation=f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(self.tools))})")
+            return self._error(f"unknown tool {call.name!r} (tools: {', '.join(sorted(self.tools))})")
+        wrong = _argument_error(call.name, self._signatures[call.name], call.arguments)
+        if wrong is not None:
+            return self._error(wrong)
         try:
             result = tool(**call.arguments)
-        except (ToolError, TypeError, ValueError) as exc:
-            return StepResult(observation=f"error: {exc}")
+        except ToolError as exc:  # the model's mistake; anything else is the harness's
+            return self._error(str(exc))
         if not isinstance(result, str):
             raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not str")
         return StepResult(observation=result[: self.max_result_chars], done=call.name in self.answer_tools)
+
+    def _error(self, message: str) -> StepResult:
+        """The observation that shows the model its call failed."""
+        return StepResult(observation=f"error: {message}"[: self.max_result_chars])
+
+
+def _signature(name: str, tool: Callable[..., str]) -> inspect.Signature:
+    """``tool``'s signature, read once, to check the model's arguments before a call."""
+    if not callable(tool):
+        raise ValueError(f"tool {name!r} is not callable (got {type(tool).__name__}); a tool is a function")
+    try:
+        return inspect.signature(tool)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"tool {name!r}: cannot read its signature ({exc}); a tool is a Python "
+                         "function called with keyword arguments") from None
+
+
+def _argument_error(name: str, signature: inspect.Signature, arguments: Mapping[str, Any]) -> str | None:
+    """What is wrong with calling tool ``name`` with ``arguments``, for the model; None if
+    they fit its signature."""
+    params = signature.parameters.values()
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    unknown = [] if takes_any else [a for a in arguments if a not in named]
+    missing = [p.name for p in params if p.name in named and p.default is p.empty and p.name not in arguments]
+    problems = ([f"unknown argument {', '.join(map(repr, unknown))}"] if unknown else []) + (
+        [f"missing argument {', '.join(map(repr, missing))}"] if missing else [])
+    if problems:
+        return f"{name}: {'; '.join(problems)} (its arguments: {', '.join(named) or 'none'})"
+    try:
+        signature.bind(**arguments)
+    except TypeError as exc:
+        return f"{name}: {exc}"
+    return None
 
 
 # -- calculator ----------------------------------------------------------------------------
@@ -100,17 +149,21 @@ _MAX_MAGNITUDE = 1e100
 def calculator(expression: str) -> str:
     """The value of an arithmetic ``expression``: numbers, ``+ - * / // % **`` and
     brackets. Evaluated on Python's syntax tree (no ``eval``), with powers and magnitudes
-    bounded so that no expression can hang or exhaust memory. Integers print exactly,
-    other results with up to 12 significant digits."""
+    bounded (no number or result past 1e100, powers of at most 64) so that no expression
+    can hang or exhaust memory; an expression past the bounds is the model's error, shown
+    to it. Integers print exactly, other results with up to 12 significant digits."""
     if not isinstance(expression, str):
         raise ToolError("calculator: `expression` must be a string")
     if len(expression) > _MAX_EXPRESSION:
         raise ToolError(f"calculator: the expression is longer than {_MAX_EXPRESSION} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # ValueError: a null byte, in some Python versions
         raise ToolError(f"calculator: cannot read {expression!r} as arithmetic") from None
-    value = _evaluate(tree.body)
+    try:
+        value = _evaluate(tree.body)
+    except RecursionError:
+        raise ToolError("calculator: the expression is nested too deeply") from None
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
         value = int(value)
     return str(value) if isinstance(value, int) else f"{value:.12g}"
@@ -118,7 +171,7 @@ def calculator(expression: str) -> str:
 
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value, "a number")
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -129,12 +182,19 @@ def _evaluate(node: ast.AST) -> int | float:
             value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ToolError("calculator: division by zero") from None
+        except OverflowError:  # a float power past float range: 1e300 ** 2
+            raise ToolError("calculator: the result is too large") from None
         if isinstance(value, complex):
             raise ToolError("calculator: the result is not a real number")
-        if abs(value) > _MAX_MAGNITUDE or (isinstance(value, float) and not math.isfinite(value)):
-            raise ToolError("calculator: the result is too large")
-        return value
+        return _bounded(value, "the result")
     raise ToolError(f"calculator: {type(node).__name__} is not arithmetic (numbers, + - * / // % ** and brackets)")
+
+
+def _bounded(value: int | float, what: str) -> int | float:
+    """``value`` if it is finite and at most 1e100 in magnitude; else the model's error."""
+    if (isinstance(value, float) and not math.isfinite(value)) or abs(value) > _MAX_MAGNITUDE:
+        raise ToolError(f"calculator: {what} is too large (the bound is 1e100)")
+    return value
 
 
 # -- python through the sandbox --------------------------------------------------------------
@@ -145,9 +205,15 @@ def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 256) -> Callable[...
     it printed (stdout, then stderr), or why it was stopped. The sandbox failing to start
     is a harness failure and raises. The sandbox's mechanism is chosen here, when the
     environment is built, so that a machine that can only limit resources (no namespaces)
-    is said before the first episode, not during it."""
+    is said before the first episode, not during it. ``timeout_s`` (wall and CPU seconds
+    of each call) is at least :data:`MIN_PYTHON_TIMEOUT_S`."""
     from rltune.sandbox import Limits, isolation, run_python
 
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not math.isfinite(timeout_s) or timeout_s < MIN_PYTHON_TIMEOUT_S:
+        raise ValueError(f"python tool: timeout_s must be a number of seconds >= {MIN_PYTHON_TIMEOUT_S} "
+                         "(the sandbox's start-up counts against it, and its CPU limit is whole "
+                         f"seconds), got {timeout_s!r}")
     limits = Limits(wall_s=timeout_s, cpu_s=timeout_s, memory_mb=memory_mb)
     isolation()  # decided once per process; warns when it is resource limits only
 
@@ -168,7 +234,9 @@ def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 256) -> Callable[...
 
 def search_tool(retriever: Any, *, k: int = 1) -> Callable[..., str]:
     """A tool ``search(query)`` returning the ``k`` best documents of ``retriever``, one
-    per line, best first; ``"no results"`` when nothing matches."""
+    per line, best first; ``"no results"`` when nothing matches. A query that is not a
+    non-empty string is the model's error; the retriever or its embedder failing (a
+    broken store) raises on, a harness failure."""
 
     def search(query: str) -> str:
         if not isinstance(query, str) or not query.strip():

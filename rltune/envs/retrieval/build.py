@@ -14,10 +14,12 @@ embedder is ``"minilm"``, ``"hashing"`` or a mapping with ``name`` and options (
 ``base_dir`` (the directory of the config file that holds the spec), else from the
 working directory.
 
+A ``documents`` file that holds no documents (a failed export) is refused, naming it.
 With ``create_empty=False`` (a search environment's retriever) an ``embedded`` ``path``
-that holds no store is refused unless there are documents to build it from: made empty, it
-would answer every search with nothing. An in-memory store without documents is kept (an
-empty store is a deliberate control).
+that holds no store is refused unless there are documents to build it from, and so is a
+retriever that ends up holding no documents (an emptied store, an empty collection),
+naming where they were to come from: it would answer every search with nothing. Only an
+in-memory store given no documents at all may be empty (a deliberate control).
 """
 
 from __future__ import annotations
@@ -67,14 +69,17 @@ def build_retriever(spec: Mapping[str, Any], *, base_dir: str | None = None,
     where = f"retrieval spec (kind {kind!r})"
     opts = resolve_options(spec, RETRIEVERS[kind], where=where)
     documents = None if opts["documents"] is None else _documents_file(opts["documents"], base_dir, where)
+    rows = None if documents is None else _corpus(documents, opts["documents"], where)  # before any store
     if not create_empty and kind == "embedded" and opts["path"] is not None and documents is None \
             and corpus is None:
         _check_store_exists(opts["path"], base_dir, where)
     retriever = _make(kind, opts, base_dir)
-    if documents is not None:
-        retriever.add(load_documents(documents))
+    if rows is not None:
+        retriever.add(rows)
     if corpus is not None:
         retriever.add(corpus)
+    if not create_empty and len(retriever) == 0:
+        _refuse_empty(retriever, kind, opts, base_dir, where, corpus is not None)
     return retriever
 
 
@@ -101,6 +106,34 @@ def _documents_file(path: str, base_dir: str | None, where: str) -> Path:
             else " (a relative path starts at the working directory)")
         raise CorpusError(f"{where}: documents {path!r}: no such corpus file {resolved}{start}")
     return resolved
+
+
+def _corpus(path: Path, given: str, where: str) -> list[Document]:
+    """The documents of the corpus file ``path``; one without any is refused."""
+    rows = load_documents(path)
+    if not rows:
+        raise CorpusError(f"{where}: documents {given!r}: the corpus file {path} holds no documents "
+                          "(a failed export?); give a JSONL file with one {\"id\", \"text\"} object per line")
+    return rows
+
+
+def _refuse_empty(retriever: Retriever, kind: str, opts: dict[str, Any], base_dir: str | None,
+                  where: str, given_corpus: bool) -> None:
+    """Refuse a search environment's retriever that holds no documents, naming where they
+    were to come from; an in-memory store given none is a control, kept."""
+    if kind == "embedded" and opts["path"] is not None:
+        source = f"the store {resolve_path(opts['path'], base_dir) / DB_FILE}"
+    elif kind == "chroma":
+        source = f"the Chroma collection {opts['collection']!r} at {opts['host']}:{opts['port']}"
+    elif given_corpus:
+        source = "the documents given"
+    else:
+        return
+    close = getattr(retriever, "close", None)
+    if close is not None:
+        close()
+    raise ValueError(f"{where}: {source} holds no documents, so every search would find nothing; "
+                     "give `documents:` (a JSONL corpus) to fill it")
 
 
 def _check_store_exists(path: str, base_dir: str | None, where: str) -> None:

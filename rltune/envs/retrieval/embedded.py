@@ -16,15 +16,17 @@ dimension, and the embedding of a fixed probe text). Reopening loads the stored 
 into FAISS without embedding any document again, and embeds the probe to check that the
 embedder is the one the store was built with. ``add`` embeds only documents that are new
 or whose text changed, so re-adding a whole corpus to a persisted store is cheap.
+
+An existing store file is checked when it is opened (:mod:`rltune.envs.retrieval.store_file`):
+one that is damaged or not a store is a :class:`StoreError` naming the file, and is never
+written over.
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,22 +35,19 @@ from rltune.envs.retrieval.store import (
     Document, Embedder, Hit, check_documents, check_embeddings, check_k, check_queries,
     meta_from_json, meta_to_json, plan_upsert,
 )
+from rltune.envs.retrieval.store_file import (
+    DB_FILE, Info, StoreError, connect, create, load_vectors, probe_vector, read_info, rebuild_hint,
+)
+
+__all__ = ["DB_FILE", "FORMAT_VERSION", "EmbeddedStore", "StoreError"]
 
 FORMAT_VERSION = 1
-DB_FILE = "store.sqlite3"
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog near the riverbank at dawn."
 PROBE_MIN_COSINE = 0.999
 """The probe's embedding must match the stored one this closely on reopening (exactly
 the same model differs only by floating-point noise across machines)."""
 SQL_CHUNK = 500
 """Ids or rows per ``IN (...)`` query, below SQLite's limit on bound parameters."""
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS docs (
-    row INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, text TEXT NOT NULL,
-    meta TEXT NOT NULL, vec BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS info (key TEXT PRIMARY KEY, value BLOB NOT NULL);
-"""
 _UPSERT = """
 INSERT INTO docs (row, id, text, meta, vec) VALUES (?, ?, ?, ?, ?)
 ON CONFLICT(row) DO UPDATE SET text = excluded.text, meta = excluded.meta, vec = excluded.vec
@@ -65,19 +64,26 @@ def _faiss() -> Any:
 
 class EmbeddedStore:
     """Exact cosine search over upserted documents, in memory (``path=None``) or
-    persisted in the directory ``path``. Safe to share between threads (one lock)."""
+    persisted in the directory ``path``. Safe to share between threads (one lock). An
+    existing store file that cannot be read as a store is a :class:`StoreError`."""
 
     def __init__(self, embedder: Embedder, path: str | os.PathLike[str] | None = None) -> None:
         faiss = _faiss()
         self._embedder = embedder
         self._dim = int(embedder.dim)
-        self._where = f"embedded store {os.fspath(path)!r}" if path is not None else "embedded store"
         self._lock = threading.RLock()
-        self._db = _connect(path)
-        self._flat = faiss.IndexFlatIP(self._dim)
-        self._index = faiss.IndexIDMap2(self._flat)
-        self._check_embedder()
-        self._next_row = self._load_vectors()
+        self._db, self._file, new = connect(path)
+        self._where = "embedded store" if self._file is None else f"embedded store {self._file}"
+        try:
+            self._flat = faiss.IndexFlatIP(self._dim)
+            self._index = faiss.IndexIDMap2(self._flat)
+            self._check_embedder(new)
+            self._next_row = self._load_vectors()
+        except BaseException:
+            self._db.close()
+            if new and self._file is not None:  # the empty file this call made, not the user's
+                self._file.unlink(missing_ok=True)
+            raise
 
     def __len__(self) -> int:
         return int(self._index.ntotal)
@@ -172,38 +178,32 @@ class EmbeddedStore:
                 out[row] = (id_, text, meta_from_json(meta))
         return out
 
-    def _check_embedder(self) -> None:
+    def _check_embedder(self, new: bool) -> None:
         """Record the dimension and the probe's embedding in a new store; in an existing
         one, check that this embedder gives the same."""
-        info = dict(self._db.execute("SELECT key, value FROM info"))
         probe = self._embed([PROBE_TEXT])[0]
-        if not info:
-            with self._db:
-                self._db.executemany("INSERT INTO info (key, value) VALUES (?, ?)", [
-                    ("format", str(FORMAT_VERSION)), ("dim", str(self._dim)),
-                    ("probe", probe.tobytes())])
+        if new:
+            create(self._db, Info(format=FORMAT_VERSION, dim=self._dim, probe=probe.tobytes()))
             return
-        if int(info["format"]) != FORMAT_VERSION:
-            raise ValueError(f"{self._where}: format {info['format']}, "
-                             f"this version reads {FORMAT_VERSION}")
-        if int(info["dim"]) != self._dim:
-            raise ValueError(f"{self._where} holds {info['dim']}-dimensional vectors; the embedder "
+        info = read_info(self._db, self._where, self._file)
+        if info.format != FORMAT_VERSION:
+            raise StoreError(f"{self._where}: format {info.format}, this version reads "
+                             f"{FORMAT_VERSION}; {rebuild_hint(self._file)}")
+        if info.dim != self._dim:
+            raise StoreError(f"{self._where} holds {info.dim}-dimensional vectors; the embedder "
                              f"gives {self._dim}. Open it with the embedder it was built with.")
-        cosine = float(np.frombuffer(info["probe"], dtype=np.float32) @ probe)
-        if cosine < PROBE_MIN_COSINE:
-            raise ValueError(f"{self._where} was built with a different embedder (probe cosine "
+        cosine = float(probe_vector(info, self._where, self._file) @ probe)
+        if not cosine >= PROBE_MIN_COSINE:
+            raise StoreError(f"{self._where} was built with a different embedder (probe cosine "
                              f"{cosine:.4f} < {PROBE_MIN_COSINE}). Open it with the embedder it "
                              "was built with, or build a new store.")
 
     def _load_vectors(self) -> int:
-        """Put the stored vectors into FAISS; the next free row number."""
-        rows, blobs = [], []
-        for row, vec in self._db.execute("SELECT row, vec FROM docs ORDER BY row"):
-            rows.append(row)
-            blobs.append(vec)
+        """Put the stored vectors into FAISS, checked (:func:`load_vectors`); the next free
+        row number."""
+        rows, vectors = load_vectors(self._db, self._dim, self._where, self._file)
         if not rows:
             return 0
-        vectors = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(rows), self._dim)
         self._index.add_with_ids(vectors, np.asarray(rows, dtype=np.int64))
         return rows[-1] + 1
 
@@ -211,21 +211,6 @@ class EmbeddedStore:
 def _hit(doc: tuple[str, str, dict[str, Any]], score: float) -> Hit:
     id_, text, meta = doc
     return Hit(id=id_, text=text, score=float(score), meta=meta)
-
-
-def _connect(path: str | os.PathLike[str] | None) -> sqlite3.Connection:
-    if path is None:
-        target = ":memory:"
-    else:
-        directory = Path(path)
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(f"embedded store path {os.fspath(path)!r} is a file; "
-                                     "the store is a directory")
-        directory.mkdir(parents=True, exist_ok=True)
-        target = str(directory / DB_FILE)
-    db = sqlite3.connect(target, check_same_thread=False)  # guarded by the store's lock
-    db.executescript(_SCHEMA)
-    return db
 
 
 def _chunks(items: list[Any]) -> Iterable[list[Any]]:

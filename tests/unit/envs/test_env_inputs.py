@@ -160,6 +160,15 @@ def test_env_spec_errors_say_env_spec_and_suggest_classes(tmp_path, spec, messag
         load_env_factory(spec, {}, base_dir=tmp_path)
 
 
+def test_a_factory_that_makes_no_environment_is_named_with_its_article(tmp_path):
+    (tmp_path / "envs.py").write_text("def plain(**kw):\n    return object()\n"
+                                      "def listy(**kw):\n    return []\n")
+    with pytest.raises(EnvLoadError, match=r"^env spec 'envs.py:plain' made an object, which has no reset\(prompt\)"):
+        load_env_factory("envs.py:plain", {}, base_dir=tmp_path)
+    with pytest.raises(EnvLoadError, match=r"^env spec 'envs.py:listy' made a list, which has no reset\(prompt\)"):
+        load_env_factory("envs.py:listy", {}, base_dir=tmp_path)
+
+
 # --------------------------------------------------------------------------- first observations
 
 TOK = build_tokenizer()

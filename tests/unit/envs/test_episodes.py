@@ -12,7 +12,7 @@ import torch
 
 from rltune.data.chat import encode_prompt
 from rltune.data.records import Prompt, Rollout, SamplingParams
-from rltune.envs.base import StepResult
+from rltune.envs.base import MAX_OBSERVATION_CHARS, StepResult
 from rltune.envs.episodes import EpisodeGenerator
 from rltune.envs.tool_format import format_tool_call, ToolCall, turn_glue
 from rltune.envs.tools import ToolEnv, calculator
@@ -220,8 +220,21 @@ def _bad_env(reset_value=None, **step_fields):
         (_bad_env(observation=42), "env: step returned observation int 42 (expected a str or None)"),
         (_bad_env(observation=42, done=True), "env: step returned observation int 42 (expected a str or None)"),
         (_bad_env(reset_value=42), "env: reset returned int 42 (expected a str or None)"),
+        # "no" is truthy: it used to end the episode as if done were True
+        (_bad_env(observation="o", done="no"), "env: step returned done str 'no' (expected a bool)"),
+        (_bad_env(done=None), "env: step returned done None (expected a bool)"),
+        (_bad_env(observation="z" * (MAX_OBSERVATION_CHARS + 1)),
+         f"env: step returned an observation of {MAX_OBSERVATION_CHARS + 1:,} characters, more than the "
+         f"{MAX_OBSERVATION_CHARS:,} an observation may have; cut it in the environment"),
+        (_bad_env(observation="z" * (MAX_OBSERVATION_CHARS + 1), done=True),
+         f"env: step returned an observation of {MAX_OBSERVATION_CHARS + 1:,} characters, more than the "
+         f"{MAX_OBSERVATION_CHARS:,} an observation may have; cut it in the environment"),
+        (_bad_env(reset_value="w" * (MAX_OBSERVATION_CHARS + 1)),
+         f"env: reset text too long: {MAX_OBSERVATION_CHARS + 1:,} characters, more than the "
+         f"{MAX_OBSERVATION_CHARS:,} an observation may have; shorten what reset returns"),
     ],
-    ids=["reward-none", "reward-nan", "reward-str", "observation-int", "answer-int", "reset-int"],
+    ids=["reward-none", "reward-nan", "reward-str", "observation-int", "answer-int", "reset-int",
+         "done-str", "done-none", "observation-huge", "answer-huge", "reset-huge"],
 )
 def test_a_return_value_of_the_wrong_kind_fails_only_its_episode(make_env, error) -> None:
     from rltune.rewards.results import fill
@@ -268,3 +281,91 @@ def test_rewards_are_finite_real_numbers_as_for_reward_functions() -> None:
 
 
 F32 = "float32's range, where training reads rewards: |r| <= 3.4e38"
+
+
+def test_a_numpy_bool_is_a_bool() -> None:
+    runner, _ = _runner({"bad": ["go"]}, _bad_env(reward=1.0, done=np.True_))
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_error is None and r.env_reward == 1.0 and r.finish_reason == "stop"
+
+
+class _Spy:
+    """The tiny tokenizer, recording the length of every text it is asked to tokenise."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def __call__(self, text, **kw):
+        self.lengths.append(len(text))
+        return TOK(text, **kw)
+
+    def decode(self, *args, **kw):
+        return TOK.decode(*args, **kw)
+
+
+def test_observations_are_bounded_by_characters_before_they_are_tokenised() -> None:
+    # a 4 MB answer used to be kept whole (the completion and a turn of samples.jsonl,
+    # twice per sample), and a 4 MB tool turn tokenised in full before the room check
+    huge = "z " * 2_000_000
+    for fields in ({"observation": huge}, {"observation": huge, "done": True}):
+        gen = Scripted({"bad": ["go"]})
+        spy = _Spy()
+        runner = EpisodeGenerator(gen, spy, _bad_env(**fields), glue=turn_glue(TOK),
+                                  encode=lambda p: encode_prompt(TOK, p), max_turns=2,
+                                  max_total_tokens=400, eos_ids=[EOS])
+        [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+        assert r.env_error.startswith("env: step returned an observation of 4,000,000 characters")
+        assert r.text == "go" and [t["content"] for t in r.turns] == ["go"]  # nothing of it kept
+        assert all(n <= MAX_OBSERVATION_CHARS for n in spy.lengths)
+    # at the bound exactly, an observation is shown (the room check decides what fits)
+    runner, _ = _runner({"bad": ["go", "go"]}, _bad_env(observation="z" * MAX_OBSERVATION_CHARS), max_turns=2)
+    [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
+    assert r.env_error is None and r.finish_reason == "length"
+
+
+def test_a_factory_that_raises_fails_only_its_episode() -> None:
+    # the factory is called once per episode; one that raises mid-run (a game server out of
+    # reach) used to end the run with a traceback
+    made = []
+
+    def make():
+        made.append(1)
+        if len(made) == 2:
+            raise RuntimeError("server unreachable")
+        return ToolEnv({"calculator": calculator})
+
+    runner, gen = _runner({"a": ["6", "7"]}, make)
+    first, second = runner.generate([_prompt("a", "A")], SamplingParams(n=2, max_new_tokens=10))
+    assert first.env_error is None and first.text == "6"
+    assert second.env_error == "env: factory raised RuntimeError: server unreachable"
+    assert second.env_reward is None and second.completion_ids.numel() == 0 and second.turns == []
+    assert len(gen.contexts) == 1  # no turn generated for it
+
+
+def test_reset_gets_a_copy_the_dataset_does_not_see() -> None:
+    # an environment that changes the prompt it is given (its meta lists and dicts) used
+    # to change the dataset for the later samples of the group and for later epochs
+    seen = []
+
+    class Mutating:
+        def reset(self, prompt):
+            seen.append((list(prompt.meta["tests"]), dict(prompt.meta["info"])))
+            prompt.meta["tests"].pop()
+            prompt.meta["info"]["level"] += 1
+            prompt.meta["answer"] = "999"
+            prompt.input_ids.append(0)
+            prompt.messages[0]["content"] = "changed"
+            return None
+
+        def step(self, action):
+            return StepResult(done=True)
+
+    prompt = Prompt(id="a", messages=[{"role": "user", "content": "A"}],
+                    meta={"tests": ["t1", "t2"], "info": {"level": 1}, "answer": "4"})
+    prompt.input_ids = encode_prompt(TOK, prompt)
+    ids = list(prompt.input_ids)
+    runner, _ = _runner({"a": ["x"] * 3}, Mutating)
+    runner.generate([prompt], SamplingParams(n=3, max_new_tokens=10))
+    assert seen == [(["t1", "t2"], {"level": 1})] * 3
+    assert prompt.meta == {"tests": ["t1", "t2"], "info": {"level": 1}, "answer": "4"}
+    assert prompt.input_ids == ids and prompt.messages == [{"role": "user", "content": "A"}]

@@ -71,7 +71,8 @@ def test_tool_env_runs_calls_and_shows_tool_errors_to_the_model() -> None:
     call = lambda name, args: format_tool_call(ToolCall(name, args))  # noqa: E731
     assert env.step(call("calculator", {"expression": "6*7"})).observation == "42"
     assert env.step(call("calculator", {"expression": "1/0"})).observation == "error: calculator: division by zero"
-    assert env.step(call("calculator", {"expr": "1"})).observation.startswith("error: calculator() got an unexpected keyword")
+    assert env.step(call("calculator", {"expr": "1"})).observation == (
+        "error: calculator: unknown argument 'expr'; missing argument 'expression' (its arguments: expression)")
     assert env.step(call("search", {"query": "x"})).observation == "error: unknown tool 'search' (tools: calculator)"
     assert env.step("<tool_call>{oops}</tool_call>").observation.startswith("error: the tool call is not valid JSON")
     final = env.step("42")
