@@ -164,7 +164,7 @@ def _import_module(name: str, *, spec: str, base_dir: str | None, what: str = "r
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        hint = _file_form_hint(name, base_dir=base_dir)
+        hint = _file_form_hint(name, base_dir=base_dir, what=what)
         raise RewardLoadError(
             f"{what} spec {spec!r}: cannot import module {name!r}: {exc}{hint}"
         ) from exc
@@ -175,14 +175,16 @@ def _import_module(name: str, *, spec: str, base_dir: str | None, what: str = "r
         ) from exc
 
 
-def _file_form_hint(name: str, *, base_dir: str | None) -> str:
+def _file_form_hint(name: str, *, base_dir: str | None, what: str) -> str:
     """The common slip: `my_rewards:fn` for a file next to the config, which is not on
-    sys.path when rltune runs as a console script."""
+    sys.path when rltune runs as a console script. The part after the colon is named as
+    the kind of spec names it (a reward's FUNCTION, an environment's FACTORY)."""
     relative = Path(*name.split(".")).with_suffix(".py")
     roots = ([Path(base_dir)] if base_dir is not None else []) + [Path.cwd()]
+    part = _EXAMPLES.get(what, _EXAMPLES["reward"])[0].upper()
     for root in roots:
         if (root / relative).is_file():
-            return f" (there is a file {root / relative}: write it as `{relative.as_posix()}:FUNCTION`)"
+            return f" (there is a file {root / relative}: write it as `{relative.as_posix()}:{part}`)"
     return ""
 
 

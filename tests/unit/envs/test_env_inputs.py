@@ -6,6 +6,8 @@ observation held to the limits of a dataset prompt."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -245,3 +247,15 @@ def test_a_first_observation_past_the_models_positions_fails_its_episode():
 def test_without_limits_nothing_is_checked():
     rollouts, _ = _play([_prompt("long", 200)])
     assert rollouts[0].env_error is None
+
+
+def test_a_module_form_for_a_local_env_file_hints_at_the_file_form_with_a_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the console script runs: the working directory is not on sys.path, so
+    `zz_local_envs_q:make` does not import the file next to the config."""
+    (tmp_path / "zz_local_envs_q.py").write_text("def make():\n    return None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    with pytest.raises(EnvLoadError, match=r"write it as `zz_local_envs_q\.py:FACTORY`"):
+        load_env_factory("zz_local_envs_q:make", {}, base_dir=tmp_path)
