@@ -46,6 +46,7 @@ import torch
 from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.envs.base import MAX_OBSERVATION_CHARS, Environment, StepResult
 from rltune.envs.tool_format import CALL_CLOSE, TurnGlue
+from rltune.envs.watchdog import CallWatch
 from rltune.rewards.calls import expected_reward, finite_reward
 
 _MAX_SHOWN = 120
@@ -115,6 +116,7 @@ class EpisodeGenerator:
         self.eos_ids = set(eos_ids)
         self.max_prompt_tokens = max_prompt_tokens
         self.max_positions = max_positions
+        self.watch = CallWatch()  # a call that does not return is said, not silent
 
     @property
     def version(self) -> int:
@@ -143,12 +145,14 @@ class EpisodeGenerator:
     def _start(self, prompt: Prompt, group: int, first_turn: int) -> _Episode:
         episode = _Episode(prompt, group, None, list(prompt.input_ids or []))
         try:
-            env = episode.env = self.make_env()
+            with self.watch.watching(f"env: the factory for prompt {prompt.id!r}"):
+                env = episode.env = self.make_env()
         except Exception as exc:  # a server the factory could not reach: this episode only
             episode.done, episode.error = True, _describe("factory", exc)
             return episode
         try:
-            first = env.reset(prompt_copy(prompt))
+            with self.watch.watching(f"env: reset for prompt {prompt.id!r}"):
+                first = env.reset(prompt_copy(prompt))
         except Exception as exc:  # an environment bug: this episode is not scored
             episode.done, episode.error = True, _describe("reset", exc)
             return episode
@@ -236,7 +240,8 @@ class EpisodeGenerator:
     def _step(self, episode: _Episode, action: str, *, ended_turn: bool, last: bool) -> None:
         assert episode.env is not None  # an episode without one ended at its start
         try:
-            result = episode.env.step(action)
+            with self.watch.watching(f"env: step for prompt {episode.prompt.id!r}"):
+                result = episode.env.step(action)
         except Exception as exc:  # an environment bug: this episode is not scored
             episode.done, episode.error = True, _describe("step", exc)
             return
