@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from rltune.algos.checks import check_int, check_real, check_real_dtype, result_dtype, stat_dtype
 from rltune.algos.reduce import masked_whiten, safe_divide
 
 
@@ -34,11 +35,15 @@ def _grouped(
 
     Returns ``(r, ok, n)``: rewards ``[G, K]`` with invalid entries set to 0 (a NaN there
     never reaches arithmetic), the valid mask ``[G, K]`` (bool) and the number of valid
-    rows per group ``[G, 1]`` in ``rewards``' dtype.
+    rows per group ``[G, 1]``; ``r`` and ``n`` in float32 (float64 for float64 rewards,
+    :func:`stat_dtype`), so that half-precision rewards do not overflow in the statistics
+    and integer or bool rewards can be averaged.
     """
     if rewards.dim() != 1:
         raise ValueError(f"{caller}: rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.shape[0] % group_size != 0:
+    check_real_dtype(caller, rewards=rewards)
+    group_size = check_int(group_size, "group_size", caller, minimum=1)
+    if rewards.shape[0] % group_size != 0:
         raise ValueError(
             f"{caller}: {rewards.shape[0]} rewards do not split into groups of "
             f"group_size={group_size}"
@@ -50,8 +55,9 @@ def _grouped(
             f"{caller}: valid has shape {tuple(valid.shape)}, rewards {tuple(rewards.shape)}"
         )
     ok = valid.to(torch.bool).view(-1, group_size)
-    r = torch.where(ok, rewards.view(-1, group_size), torch.zeros_like(rewards).view(-1, group_size))
-    n = ok.sum(dim=1, keepdim=True).to(rewards.dtype)
+    grouped = rewards.view(-1, group_size).to(stat_dtype(rewards.dtype))
+    r = torch.where(ok, grouped, torch.zeros_like(grouped))
+    n = ok.sum(dim=1, keepdim=True).to(r.dtype)
     return r, ok, n
 
 
@@ -88,18 +94,26 @@ def group_advantages(
     mean and std and get advantage 0; their entry in ``rewards`` may be NaN and never
     reaches the result. A group with fewer than two valid rows gives 0 to every row (a
     single sample has no baseline to compare with). A group whose valid rewards are all
-    equal gives 0 advantages, not NaN. Returns ``[B]`` in ``rewards``' dtype.
+    equal gives 0 advantages, not NaN.
+
+    Precondition: the rewards of valid rows are finite. A NaN or inf there makes its
+    group's advantages NaN; it is not checked (that would read the rewards every step),
+    and the scorer never produces one: a reward that is not a finite number makes the
+    row invalid. ``group_size`` is an int >= 1 that divides ``B``; ``eps`` is finite and
+    >= 0. The statistics are computed in float32 (float64 for float64 rewards); returns
+    ``[B]`` in ``rewards``' dtype when it is floating, else in the default float dtype.
     """
+    caller = "group_advantages"
     if scale not in _GROUP_SCALES:
-        raise ValueError(
-            f"group_advantages: scale={scale!r}; expected one of {sorted(_GROUP_SCALES)}"
-        )
-    r, ok, n = _grouped(rewards, group_size, valid, "group_advantages")
+        raise ValueError(f"{caller}: scale={scale!r}; expected one of {sorted(_GROUP_SCALES)}")
+    if not check_real(eps, "eps", caller) >= 0:
+        raise ValueError(f"{caller}: eps={eps} must be >= 0")
+    r, ok, n = _grouped(rewards, group_size, valid, caller)
     centred = _centred(r, ok, n)
     # n - 1 == 0 (one valid row) gives std 0 and centred is already 0 there.
     var = safe_divide((centred * centred).sum(dim=1, keepdim=True), (n - 1).clamp(min=0))
     adv = _GROUP_SCALES[scale](centred, var.sqrt(), eps)
-    return torch.where(ok, adv, torch.zeros_like(adv)).view(-1)
+    return torch.where(ok, adv, torch.zeros_like(adv)).view(-1).to(result_dtype(rewards.dtype))
 
 
 def group_baseline(
@@ -112,9 +126,10 @@ def group_baseline(
     (minus a KL term) fed to ``reinforce_pp_advantages``. Numerically the same as
     ``group_advantages(..., scale="none")``. Groups, ``valid`` and NaN in invalid rows as
     in ``group_advantages``; a group with one valid row gives it 0 (``r_i - r_i``).
+    Returns ``rewards``' dtype when it is floating, else the default float dtype.
     """
     r, ok, n = _grouped(rewards, group_size, valid, "group_baseline")
-    return _centred(r, ok, n).view(-1)
+    return _centred(r, ok, n).view(-1).to(result_dtype(rewards.dtype))
 
 
 def rloo_advantages(
@@ -129,14 +144,15 @@ def rloo_advantages(
 
     Groups, ``valid`` and NaN in invalid rows as in ``group_advantages``: invalid rows are
     excluded from the baselines and get 0; a group with fewer than two valid rows (no
-    other sample to compare with) gives 0 to every row.
+    other sample to compare with) gives 0 to every row. Dtypes as in ``group_advantages``.
     """
     r, ok, n = _grouped(rewards, group_size, valid, "rloo_advantages")
     others = r.sum(dim=1, keepdim=True) - r
     # n - 1 == 0: the one valid row has no baseline; safe_divide gives 0 and the row is
     # zeroed below together with the invalid rows.
     adv = r - safe_divide(others, (n - 1).clamp(min=0))
-    return torch.where(ok & (n >= 2), adv, torch.zeros_like(adv)).view(-1)
+    adv = torch.where(ok & (n >= 2), adv, torch.zeros_like(adv))
+    return adv.view(-1).to(result_dtype(rewards.dtype))
 
 
 def _check_token_tensors(caller: str, mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -160,10 +176,10 @@ def _discounted_suffix_sum(x: torch.Tensor, keep: torch.Tensor, discount: float)
 
     Masked-out positions are skipped, not treated as the end of the sequence: a tool's
     tokens in the middle of a multi-turn completion do not break the chain. ``x`` must be
-    0 where ``keep`` is False. A loop over T, vectorised over B.
+    0 where ``keep`` is False. A loop over T, vectorised over B; ``T = 0`` gives ``[B, 0]``.
     """
     out = torch.zeros_like(x)
-    carry = torch.zeros_like(x[:, 0])
+    carry = x.new_zeros(x.shape[:1])
     for t in range(x.shape[1] - 1, -1, -1):
         y = x[:, t] + discount * carry
         out[:, t] = torch.where(keep[:, t], y, torch.zeros_like(y))
@@ -174,7 +190,7 @@ def _discounted_suffix_sum(x: torch.Tensor, keep: torch.Tensor, discount: float)
 def _next_kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``x`` at the next masked-in position after ``t``, 0 when there is none (``[B, T]``)."""
     out = torch.zeros_like(x)
-    carry = torch.zeros_like(x[:, 0])
+    carry = x.new_zeros(x.shape[:1])
     for t in range(x.shape[1] - 1, -1, -1):
         out[:, t] = carry
         carry = torch.where(keep[:, t], x[:, t], carry)
@@ -195,13 +211,17 @@ def reinforce_pp_advantages(
     ignored (they may be NaN). Typical token rewards are
     ``kl_shaped_rewards(scores, kl, mask, kl_coef=...)``; with
     ``scores = group_baseline(rewards, group_size)`` this is "REINFORCE++ with baseline".
-    Computed without gradient; 0 at masked-out positions.
+    Computed without gradient, in float32 (float64 for float64 rewards) so that
+    half-precision rewards do not overflow; returned in ``token_rewards``' dtype when it is
+    floating, else the default float dtype. 0 at masked-out positions; ``T = 0`` gives
+    ``[B, 0]``.
     """
     caller = "reinforce_pp_advantages"
     _check_token_tensors(caller, mask, token_rewards=token_rewards)
     _check_discount(caller, "gamma", gamma)
     with torch.no_grad():
         keep = mask != 0
-        r = torch.where(keep, token_rewards.detach(), torch.zeros_like(token_rewards))
+        rewards = token_rewards.detach().to(stat_dtype(token_rewards.dtype))
+        r = torch.where(keep, rewards, torch.zeros_like(rewards))
         returns = _discounted_suffix_sum(r, keep, gamma)
-        return masked_whiten(returns, keep.to(returns.dtype))
+        return masked_whiten(returns, keep.to(returns.dtype)).to(result_dtype(token_rewards.dtype))

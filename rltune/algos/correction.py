@@ -80,6 +80,17 @@ def importance_weights(
         return torch.where(keep, weights, zeros)
 
 
+def _kept_extreme(w: torch.Tensor, keep: torch.Tensor, *, largest: bool) -> torch.Tensor:
+    """The largest (or smallest) ``w`` where ``keep``; 0 when nothing is kept, also for an
+    empty tensor (``amax`` of nothing is an error)."""
+    zero = w.new_zeros(())
+    if w.numel() == 0:
+        return zero
+    bound = torch.full_like(w, float("-inf") if largest else float("inf"))
+    picked = torch.where(keep, w, bound)
+    return torch.where(keep.any(), picked.amax() if largest else picked.amin(), zero)
+
+
 def importance_weight_metrics(
     weights: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -94,7 +105,8 @@ def importance_weight_metrics(
     tokens with weight 0 (the tokens "seq-mask" dropped). ``is_truncated_frac``: share of
     tokens whose non-zero weight is below their own ratio ``exp(old - behaviour)`` (the
     tokens "token-truncate" capped; with "seq-mask" it counts kept tokens whose ratio is
-    above 1 and is not a truncation: read ``is_masked_frac`` there).
+    above 1 and is not a truncation: read ``is_masked_frac`` there). An empty batch
+    (``B = 0`` or ``T = 0``) gives all 0.
     """
     caller = "importance_weight_metrics"
     _check_shapes(
@@ -108,13 +120,11 @@ def importance_weight_metrics(
         log_ratio = torch.where(keep, old_logprobs - behaviour_logprobs, zeros)
         w = torch.where(keep, weights.detach(), zeros)
         ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
-        any_kept, zero = keep.any(), w.new_zeros(())
-        inf = torch.full_like(w, float("inf"))
         return {
             "is_abs_logp_diff": masked_mean(log_ratio.abs(), m),
             "is_weight_mean": masked_mean(w, m),
-            "is_weight_max": torch.where(any_kept, torch.where(keep, w, -inf).amax(), zero),
-            "is_weight_min": torch.where(any_kept, torch.where(keep, w, inf).amin(), zero),
+            "is_weight_max": _kept_extreme(w, keep, largest=True),
+            "is_weight_min": _kept_extreme(w, keep, largest=False),
             "is_masked_frac": masked_mean((w == 0).to(m.dtype), m),
             "is_truncated_frac": masked_mean(((w != 0) & (w < ratio)).to(m.dtype), m),
         }

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from rltune.algos.checks import check_real
+
 K3_LOG_RATIO_BOUND = 20.0
 """k3 clamps ``log_ratio`` to ``[-20, 20]`` before the exponential: ``exp(20) ~ 4.9e8``
 is finite in fp32 and bf16, while an unclamped ``exp(-log_ratio)`` overflows to inf for
@@ -79,20 +81,24 @@ def adaptive_kl_coef(
     The clip bounds a single update to a factor ``1 +- 0.2 * n_steps / horizon``.
     Deviation: the result is floored at 0, since for ``n_steps > 5 * horizon`` that
     factor would turn the coefficient negative (a reward for drifting away).
-    ``observed_kl`` may be a 0-dim tensor; it is read once (the coefficient is a host-side
-    decision). Returns a float.
+    ``observed_kl`` may be a one-element tensor; it is read once (the coefficient is a
+    host-side decision). Every argument must be finite; ``coef`` and ``n_steps`` >= 0,
+    ``target`` and ``horizon`` > 0. Returns a float.
     """
     caller = "adaptive_kl_coef"
-    kl = float(observed_kl)
-    if not coef >= 0:
-        raise ValueError(f"{caller}: coef={coef} must be >= 0")
-    if not target > 0:
-        raise ValueError(f"{caller}: target={target} must be > 0")
-    if not horizon > 0:
-        raise ValueError(f"{caller}: horizon={horizon} must be > 0")
-    if n_steps < 0:
-        raise ValueError(f"{caller}: n_steps={n_steps} must be >= 0")
-    if kl != kl or kl in (float("inf"), float("-inf")):
-        raise ValueError(f"{caller}: observed_kl={kl} is not finite")
+    if isinstance(observed_kl, torch.Tensor):
+        if observed_kl.numel() != 1:
+            raise ValueError(
+                f"{caller}: observed_kl has shape {tuple(observed_kl.shape)}; expected one "
+                f"number (the batch's mean KL per sequence)"
+            )
+        observed_kl = observed_kl.item()
+    kl = check_real(observed_kl, "observed_kl", caller)
+    for name, value in (("coef", coef), ("n_steps", n_steps)):
+        if check_real(value, name, caller) < 0:
+            raise ValueError(f"{caller}: {name}={value} must be >= 0")
+    for name, value in (("target", target), ("horizon", horizon)):
+        if not check_real(value, name, caller) > 0:
+            raise ValueError(f"{caller}: {name}={value} must be > 0")
     err = min(max(kl / target - 1.0, -0.2), 0.2)
     return max(0.0, coef * (1.0 + err * n_steps / horizon))

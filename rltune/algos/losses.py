@@ -9,16 +9,22 @@ Micro-batching. A learner that splits a batch into micro-batches passes ``denomi
 the normaliser of the *whole* batch (``loss_denominator(full_mask, aggregation=...)``).
 Each call then returns ``numerator(micro-batch) / denominator`` and the micro-batch losses
 sum to exactly the full-batch loss, whatever the split. With ``denominator=None`` the call
-normalises by its own count.
+normalises by its own count. An explicit ``denominator`` is a 0-dim tensor or a number
+(anything else, such as a ``[B]`` tensor, is refused): a number must be finite and > 0. A
+tensor's value is not read (on an accelerator that would be a host sync every step), so
+it is a precondition: >= 0, and 0 only when the whole batch has nothing masked in
+(``loss_denominator`` meets it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from rltune.algos.checks import check_floating, check_int, denominator_tensor
 from rltune.algos.kl import KL_ESTIMATORS
 from rltune.algos.reduce import masked_mean, masked_sum, safe_divide
 from rltune.metrics.types import Max, Sum
@@ -85,8 +91,21 @@ def _lookup_aggregation(aggregation: str, caller: str) -> _Aggregation:
 
 
 def _check_max_len(max_len: int | None, caller: str) -> None:
-    if max_len is not None and max_len < 1:
-        raise ValueError(f"{caller}: max_len={max_len} must be >= 1 (or None)")
+    if max_len is not None:
+        check_int(max_len, "max_len", caller, minimum=1)
+
+
+def _check_token_mask(caller: str, mask: torch.Tensor, per_token: torch.Tensor | None = None) -> None:
+    """``mask`` must be 2-D ``[B, T]`` and, when given, ``per_token`` of the same shape:
+    a broadcast mask would count its own entries in the denominator but the broadcast
+    ones in the numerator."""
+    if mask.dim() != 2:
+        raise ValueError(f"{caller}: mask has shape {tuple(mask.shape)}; expected 2-D [B, T]")
+    if per_token is not None and per_token.shape != mask.shape:
+        raise ValueError(
+            f"{caller}: per_token has shape {tuple(per_token.shape)} and mask "
+            f"{tuple(mask.shape)}; expected both [B, T] (a mask is not broadcast)"
+        )
 
 
 def _count(mask: torch.Tensor, aggregation: str, max_len: int | None, caller: str) -> torch.Tensor:
@@ -113,8 +132,9 @@ def loss_denominator(
     the "seq-mean-token-mean" and "seq-mean-token-sum" modes; that number times
     ``max_len`` for "seq-mean-token-sum-norm" (which requires ``max_len``; the other
     modes ignore it). Compute it on the full batch and pass it as ``denominator`` to
-    every micro-batch call.
+    every micro-batch call. A mask of another shape than ``[B, T]`` is refused.
     """
+    _check_token_mask("loss_denominator", mask)
     m = mask if mask.is_floating_point() else mask.to(torch.float32)
     return _count(m, aggregation, max_len, "loss_denominator")
 
@@ -131,7 +151,8 @@ def aggregate_loss(
     ``AGGREGATIONS``), divided by ``denominator`` (module docstring). For extra loss terms,
     such as a KL penalty, that must weigh tokens exactly as the policy loss does.
     ``max_len`` is the constant length of "seq-mean-token-sum-norm" (needed there when
-    ``denominator`` is None)."""
+    ``denominator`` is None). ``per_token`` and ``mask`` must both be ``[B, T]``: the mask
+    is not broadcast."""
     m = mask if mask.is_floating_point() else mask.to(per_token.dtype)
     return _aggregate(per_token, m, aggregation, denominator, "aggregate_loss", max_len=max_len)
 
@@ -146,14 +167,14 @@ def _aggregate(
     max_len: int | None = None,
 ) -> torch.Tensor:
     agg = _lookup_aggregation(aggregation, caller)
+    _check_token_mask(caller, mask, per_token)
     if denominator is None:
         den = _count(mask, aggregation, max_len, caller)
     else:
         _check_max_len(max_len, caller)
-        if not isinstance(denominator, torch.Tensor) and denominator < 0:
-            raise ValueError(f"{caller}: denominator={denominator} must be >= 0")
-        den = torch.as_tensor(denominator, dtype=per_token.dtype, device=per_token.device)
-    # den == 0 only when nothing is masked in, so the numerator is 0 too: loss 0, not NaN.
+        den = denominator_tensor(denominator, per_token, caller)
+    # den == 0 only when nothing is masked in (a denominator's precondition, see
+    # denominator_tensor), so the numerator is 0 too: loss 0, not NaN.
     return safe_divide(agg.numerator(per_token, mask), den)
 
 
@@ -161,6 +182,36 @@ def _check_shapes(caller: str, **tensors: torch.Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"{caller}: shapes differ: {shapes}")
+
+
+def _check_policy_inputs(caller: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                         mask: torch.Tensor) -> None:
+    """The token tensors of a policy loss: one shape, 2-D ``[B, T]``, floating log-probs."""
+    _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
+    _check_token_mask(caller, mask)
+    check_floating(caller, logprobs=logprobs, old_logprobs=old_logprobs)
+
+
+def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor, caller: str) -> torch.Tensor:
+    """``advantages`` ``[B, T]`` as is, ``[B]`` (one per sequence) as ``[B, 1]``; any other
+    shape is refused rather than broadcast (a ``[1]`` tensor would give every sequence
+    the same advantage)."""
+    if advantages.shape == mask.shape:
+        return advantages
+    if advantages.shape == mask.shape[:1]:
+        return advantages.unsqueeze(-1)
+    raise ValueError(
+        f"{caller}: advantages has shape {tuple(advantages.shape)}; expected [B] "
+        f"{tuple(mask.shape[:1])} (one per sequence) or [B, T] {tuple(mask.shape)} (one per token)"
+    )
+
+
+def _masked_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Largest ``x`` where ``keep`` is nonzero, for non-negative ``x``; 0 when nothing is
+    kept, also for an empty tensor (``amax`` of nothing is an error)."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    return torch.where(keep != 0, x, torch.zeros_like(x)).amax()
 
 
 def _clipped_surrogate(
@@ -210,9 +261,12 @@ def ppo_policy_loss(
     then ``l`` is aggregated by ``aggregation`` (see ``AGGREGATIONS``) and divided by
     ``denominator`` (module docstring). Separate ``clip_low``/``clip_high`` give DAPO's
     clip-higher. ``logprobs``, ``old_logprobs``, ``mask`` (and ``is_weights``) are
-    ``[B, T]``; ``advantages`` is ``[B, T]`` or ``[B]`` (one value per sequence).
-    ``log(r)`` is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``. ``max_len`` is the
-    constant length of the "seq-mean-token-sum-norm" aggregation (Dr. GRPO).
+    ``[B, T]`` (floating log-probs); ``advantages`` is ``[B, T]`` or ``[B]`` (one value per
+    sequence), any other shape is refused, not broadcast. ``0 <= clip_low < 1``,
+    ``clip_high >= 0``, ``dual_clip > 1`` and finite. An empty batch (``B = 0`` or
+    ``T = 0``) gives loss 0 and zero metrics. ``log(r)`` is clamped to
+    ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``. ``max_len`` is the constant length of the
+    "seq-mean-token-sum-norm" aggregation (Dr. GRPO), an int >= 1.
 
     Metrics (detached, masked means over this call's tokens): ``clip_frac`` (share of
     tokens where the clipped branch was taken), ``dual_clip_frac``, ``approx_kl`` (k3
@@ -221,14 +275,14 @@ def ppo_policy_loss(
     masked in).
     """
     caller = "ppo_policy_loss"
-    _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"{caller}: dual_clip={dual_clip} must be > 1 (or None to disable)")
+    _check_policy_inputs(caller, logprobs, old_logprobs, mask)
+    _check_clip_range(clip_low, clip_high, caller)
+    if dual_clip is not None and not (dual_clip > 1.0 and math.isfinite(dual_clip)):
+        raise ValueError(f"{caller}: dual_clip={dual_clip} must be finite and > 1 (or None to disable)")
     _lookup_aggregation(aggregation, caller)
     m = mask.to(logprobs.dtype)
     keep = m != 0
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)  # [B] -> [B, 1], broadcast over tokens
+    advantages = _token_advantages(advantages, m, caller)  # [B] -> [B, 1], over the tokens
     adv = torch.where(keep, advantages, torch.zeros_like(m))  # zeroed at padding, as the ratio
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
     ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
@@ -259,7 +313,7 @@ def _ppo_metrics(m: torch.Tensor, is_clipped: torch.Tensor, is_capped: torch.Ten
         "dual_clip_frac": masked_mean(is_capped.to(m.dtype), m),
         "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
         "ratio_mean": masked_mean(ratio, m),
-        "ratio_max": Max(torch.where(m != 0, ratio, torch.zeros_like(ratio)).amax()),
+        "ratio_max": Max(_masked_max(ratio, m)),
     }
 
 
@@ -331,15 +385,17 @@ def gspo_policy_loss(
     ``is_weights`` (detached weights ``w``, 1 when None) are ``[B]`` or ``[B, T]``, a
     ``[B, T]`` tensor being reduced to its masked token-mean per sequence. The defaults
     ``clip_low=3e-4``, ``clip_high=4e-4`` are the paper's: a sequence ratio moves far less
-    than a token ratio. ``denominator`` for micro-batches is the number of non-empty
-    sequences of the whole batch, ``loss_denominator(mask, aggregation="seq-mean-token-mean")``.
+    than a token ratio; the clip range is checked as in ``ppo_policy_loss``. ``denominator``
+    for micro-batches is the number of non-empty sequences of the whole batch,
+    ``loss_denominator(mask, aggregation="seq-mean-token-mean")``. An empty batch gives
+    loss 0 and zero metrics.
 
     Metrics (detached): ``clip_frac`` and ``ratio_mean``, ``ratio_max`` over this call's
     non-empty sequences; ``approx_kl`` the token-level k3 estimate of ``KL(pi_old || pi)``
     as in ``ppo_policy_loss``.
     """
     caller = "gspo_policy_loss"
-    _check_shapes(caller, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
+    _check_policy_inputs(caller, logprobs, old_logprobs, mask)
     _check_clip_range(clip_low, clip_high, caller)
     m = mask.to(logprobs.dtype)
     seq_m = (m != 0).any(dim=-1).to(m.dtype)
@@ -358,9 +414,10 @@ def gspo_policy_loss(
 
 
 def _check_clip_range(clip_low: float, clip_high: float, caller: str) -> None:
+    # written so that NaN fails: a NaN bound would clamp every ratio to NaN
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"{caller}: clip_low={clip_low} must be in [0, 1)")
-    if clip_high < 0.0:
+    if not clip_high >= 0.0:
         raise ValueError(f"{caller}: clip_high={clip_high} must be >= 0")
 
 
@@ -372,6 +429,6 @@ def _gspo_metrics(m: torch.Tensor, seq_m: torch.Tensor, is_clipped: torch.Tensor
     return {
         "clip_frac": masked_mean(is_clipped.to(m.dtype), seq_m),
         "ratio_mean": masked_mean(ratio, seq_m),
-        "ratio_max": Max(torch.where(seq_m != 0, ratio, torch.zeros_like(ratio)).amax()),
+        "ratio_max": Max(_masked_max(ratio, seq_m)),
         "approx_kl": masked_mean(KL_ESTIMATORS["k3"](-log_ratio), m),
     }

@@ -5,7 +5,8 @@ Every input is ``[B]``, one entry per (chosen, rejected) pair. The loss is the m
 pairs, ``sum over this call's pairs / (denominator or B)``: pass the whole batch's number
 of pairs as ``denominator`` when splitting it into micro-batches, and the micro-batch
 losses sum to the whole-batch loss. Metrics are detached 0-dim means over this call's
-pairs.
+pairs. An explicit ``denominator`` follows the rules of ``rltune.algos.losses``: a number
+is finite and > 0, a tensor is 0-dim (its value is a precondition, not read).
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rltune.algos.checks import (
+    check_floating,
+    check_real,
+    check_real_dtype,
+    denominator_tensor,
+    result_dtype,
+)
 from rltune.algos.reduce import safe_divide
 
 
@@ -30,10 +38,8 @@ def _mean_over_pairs(
     if denominator is None:
         den = torch.tensor(float(per_pair.numel()), dtype=per_pair.dtype, device=per_pair.device)
     else:
-        if not isinstance(denominator, torch.Tensor) and denominator < 0:
-            raise ValueError(f"{caller}: denominator={denominator} must be >= 0")
-        den = torch.as_tensor(denominator, dtype=per_pair.dtype, device=per_pair.device)
-    # den == 0 only for an empty batch, whose sum is 0 as well
+        den = denominator_tensor(denominator, per_pair, caller)
+    # den == 0 only for an empty batch (a denominator's precondition), whose sum is 0 too
     return safe_divide(per_pair.sum(), den)
 
 
@@ -131,7 +137,7 @@ def dpo_loss(
     caller = "dpo_loss"
     if kind not in _DPO_KINDS:
         raise ValueError(f"{caller}: kind={kind!r}; expected one of {sorted(_DPO_KINDS)}")
-    if not beta > 0:
+    if not check_real(beta, "beta", caller) > 0:
         raise ValueError(f"{caller}: beta={beta} must be > 0")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"{caller}: label_smoothing={label_smoothing} must be in [0, 0.5)")
@@ -144,6 +150,7 @@ def dpo_loss(
         caller, chosen_logps=chosen_logps, rejected_logps=rejected_logps,
         ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
     )
+    check_floating(caller, chosen_logps=chosen_logps, rejected_logps=rejected_logps)
     chosen_log_ratio = chosen_logps - ref_chosen_logps
     rejected_log_ratio = rejected_logps - ref_rejected_logps
     per_pair = _DPO_KINDS[kind](chosen_log_ratio - rejected_log_ratio, beta, label_smoothing)
@@ -172,11 +179,12 @@ def simpo_loss(
     ``beta * r``.
     """
     caller = "simpo_loss"
-    if not beta > 0:
+    if not check_real(beta, "beta", caller) > 0:
         raise ValueError(f"{caller}: beta={beta} must be > 0")
-    if not gamma >= 0:
+    if not check_real(gamma, "gamma", caller) >= 0:
         raise ValueError(f"{caller}: gamma={gamma} must be >= 0")
     _check_pairs(caller, chosen_logps=chosen_logps, rejected_logps=rejected_logps)
+    check_floating(caller, chosen_logps=chosen_logps, rejected_logps=rejected_logps)
     per_pair = -F.logsigmoid(beta * (chosen_logps - rejected_logps) - gamma)
     loss = _mean_over_pairs(per_pair, denominator, caller)
     return loss, _reward_metrics(beta * chosen_logps, beta * rejected_logps)
@@ -195,15 +203,19 @@ def bradley_terry_loss(
 
         l = -log sig(c - r - margin)
 
-    ``margin`` (a float or ``[B]``, 0 when None) asks for a larger gap on pairs rated
-    further apart (Llama 2, Touvron et al. 2023). Loss: mean over pairs (module docstring
-    for ``denominator``). Metrics: ``accuracy`` (share of pairs with ``c > r``),
-    ``margin`` (mean of ``c - r``), ``chosen_score``, ``rejected_score`` (means).
+    ``margin`` (a float, a 0-dim tensor or ``[B]``, 0 when None) asks for a larger gap on
+    pairs rated further apart (Llama 2, Touvron et al. 2023). Integer or bool scores are
+    compared in the default float dtype. Loss: mean over pairs (module docstring for
+    ``denominator``). Metrics: ``accuracy`` (share of pairs with ``c > r``), ``margin``
+    (mean of ``c - r``), ``chosen_score``, ``rejected_score`` (means).
     """
     caller = "bradley_terry_loss"
     _check_pairs(caller, chosen_scores=chosen_scores, rejected_scores=rejected_scores)
-    if isinstance(margin, torch.Tensor):
+    check_real_dtype(caller, chosen_scores=chosen_scores, rejected_scores=rejected_scores)
+    if isinstance(margin, torch.Tensor) and margin.dim() != 0:
         _check_pairs(caller, chosen_scores=chosen_scores, margin=margin)
+    dtype = torch.promote_types(result_dtype(chosen_scores.dtype), result_dtype(rejected_scores.dtype))
+    chosen_scores, rejected_scores = chosen_scores.to(dtype), rejected_scores.to(dtype)
     gap = chosen_scores - rejected_scores
     per_pair = -F.logsigmoid(gap if margin is None else gap - margin)
     loss = _mean_over_pairs(per_pair, denominator, caller)

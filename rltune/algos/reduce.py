@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from rltune.algos.checks import check_real, result_dtype, stat_dtype
+
 Dim = int | tuple[int, ...] | None
 
 
@@ -65,13 +67,24 @@ def masked_whiten(
     only the scale changes (as in TRL's ``masked_whiten``).
 
     Entries where the mask is 0 are returned as 0, so padding never carries NaN onward.
-    An empty mask returns all zeros.
+    An empty mask returns all zeros. ``eps`` must be finite and >= 0; with ``eps=0`` a
+    constant input (``var = 0``) gives 0, not ``0 / 0``. The statistics are computed in
+    float32 (float64 for float64 input), so half-precision input does not overflow; the
+    result has ``x``'s dtype when it is floating, else the default float dtype.
     """
+    if not check_real(eps, "eps", "masked_whiten") >= 0:
+        raise ValueError(f"masked_whiten: eps={eps} must be >= 0 (a negative one gives NaN)")
+    out_dtype = result_dtype(x.dtype)
+    x = x.to(stat_dtype(x.dtype))
     mean = masked_mean(x, mask)
     centred = x - mean
     var = masked_mean(centred * centred, mask)
-    out = centred * torch.rsqrt(var + eps)
+    # var + eps == 0 only for eps=0 and a constant input, whose centred values are 0
+    den = var + eps
+    positive = den > 0
+    out = centred * torch.where(positive, torch.rsqrt(torch.where(positive, den, torch.ones_like(den))),
+                                torch.zeros_like(den))
     if not shift_mean:
         out = out + mean
     out, m = torch.broadcast_tensors(out, mask.to(x.dtype))
-    return torch.where(m != 0, out, torch.zeros_like(out))
+    return torch.where(m != 0, out, torch.zeros_like(out)).to(out_dtype)

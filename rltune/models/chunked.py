@@ -70,6 +70,13 @@ def set_logprob_chunk_tokens(model: nn.Module, tokens: int) -> None:
     setattr(owner, CHUNK_ATTR, int(tokens))
 
 
+def _chunk_size(tokens: object) -> int:
+    """``tokens`` as an int; a bool or a float is refused (TypeError)."""
+    if isinstance(tokens, bool) or not hasattr(tokens, "__index__"):
+        raise TypeError(f"chunk_tokens={tokens!r} ({type(tokens).__name__}) must be an int")
+    return tokens.__index__()
+
+
 def logprob_chunk_tokens(model: nn.Module) -> int:
     """The chunk size recorded on ``model`` (:func:`set_logprob_chunk_tokens`), else
     :data:`DEFAULT_CHUNK_TOKENS`; 0 (its own logits, read whole) for a model without an
@@ -115,10 +122,13 @@ class ChunkedHead(nn.Module):
     ``[B, C, H]`` when the forward left out the last column),
     stores ``(logprobs, entropy)`` ``[B, C]`` in :attr:`result` and returns a width-0
     tensor in place of the logits. :attr:`width` is the number of positions it received
-    (a model that ignores ``logits_to_keep`` hands it all ``T``)."""
+    (a model that ignores ``logits_to_keep`` hands it all ``T``). ``chunk_tokens`` is an
+    int >= 1."""
 
     def __init__(self, head: nn.Module, targets: torch.Tensor, valid: torch.Tensor, *, temperature: float,
                  with_entropy: bool, chunk_tokens: int, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if _chunk_size(chunk_tokens) < 1:
+            raise ValueError(f"ChunkedHead: chunk_tokens={chunk_tokens} must be >= 1")
         super().__init__()
         self.head = head
         self.targets, self.valid = targets, valid
@@ -180,9 +190,12 @@ def chunked_stats(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs, entropy)`` ``[B, C]`` from final hidden states ``[B, C, H]`` at the
     completion positions, with ``model``'s own ``lm_head`` in chunks of ``chunk_tokens``
-    (None: its :func:`logprob_chunk_tokens`; 0: one chunk). For callers that run the body
-    themselves (the last pipeline stage, the shared-prompt forward)."""
-    chunk = logprob_chunk_tokens(model) if chunk_tokens is None else chunk_tokens
+    (None: its :func:`logprob_chunk_tokens`; 0: one chunk; a negative size is refused).
+    For callers that run the body themselves (the last pipeline stage, the shared-prompt
+    forward)."""
+    chunk = logprob_chunk_tokens(model) if chunk_tokens is None else _chunk_size(chunk_tokens)
+    if chunk < 0:
+        raise ValueError(f"chunked_stats: chunk_tokens={chunk_tokens} must be >= 0 (0: one chunk) or None")
     tokens = chunk or max(1, hidden.shape[0] * hidden.shape[1])
     head = ChunkedHead(model.lm_head, targets, valid, temperature=temperature, with_entropy=with_entropy,
                        chunk_tokens=tokens, transform=policy_logits(model))

@@ -61,8 +61,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
     With left padding the first real token gets position 0, as it would unpadded, so the
     rotary phases (and hence the log-probs) do not depend on how much padding a row has.
+    Any nonzero entry counts as one attended token.
     """
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    return ((attention_mask != 0).long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def body_hidden_states(
@@ -175,8 +176,31 @@ def completion_logprobs(
     reads the full logits; None: the model's ``train.logprob_chunk_tokens``.
     ``vision``: a vision-language batch's pixel inputs, the rows' concatenated in order
     (:func:`rltune.models.vision.batch_vision_inputs`); image tokens are prompt tokens.
+
+    Checked (shapes, dtypes, Python numbers; nothing that reads the tensors): ``B >= 1``,
+    integer ``input_ids``, an int ``prompt_len``, ``chunk_tokens`` None or an int >= 0.
+    ``attention_mask`` may be bool, 0/1 or any other values: a nonzero entry is attended.
+    A token id outside the vocabulary fails the embedding lookup; on the CPU that error
+    is re-raised as a ValueError naming the ids' range and the vocabulary size (on a GPU
+    the lookup's device-side assert fires first).
     """
-    _check_inputs(input_ids, attention_mask, prompt_len, temperature)
+    prompt_len = _check_inputs(input_ids, attention_mask, prompt_len, temperature, chunk_tokens)
+    if attention_mask.dtype != torch.bool:  # attended = nonzero, in positions and attention alike
+        attention_mask = (attention_mask != 0).to(attention_mask.dtype)
+    try:
+        return _logprobs(model, input_ids, attention_mask, prompt_len, temperature, with_entropy,
+                         output_router_logits, routes, chunk_tokens, vision)
+    except IndexError as err:
+        problem = _out_of_vocabulary(model, input_ids)
+        if problem is None:
+            raise
+        raise ValueError(problem) from err
+
+
+def _logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+              temperature: float, with_entropy: bool, output_router_logits: bool, routes: torch.Tensor | None,
+              chunk_tokens: int | None, vision: VisionInputs | None) -> LogProbOutput:
+    """:func:`completion_logprobs` on checked arguments."""
     extra = {"output_router_logits": True} if output_router_logits and is_moe(model) else {}
     valid = attention_mask[:, prompt_len:].bool()  # [B, C]
     targets = input_ids[:, prompt_len:]
@@ -275,14 +299,42 @@ def _check_width(model: torch.nn.Module, width: int | None, wanted: int) -> None
         )
 
 
+def _out_of_vocabulary(model: torch.nn.Module, input_ids: torch.Tensor) -> str | None:
+    """Why ``input_ids`` do not fit ``model``'s input embedding, or None when they do (or
+    the size is unknown). Reads the ids: for the error path only."""
+    vocab = None
+    for module in model.modules():
+        get = getattr(module, "get_input_embeddings", None)
+        if callable(get):
+            with contextlib.suppress(NotImplementedError, AttributeError):
+                vocab = getattr(get(), "num_embeddings", None)
+            break
+    if vocab is None or input_ids.numel() == 0:
+        return None
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if 0 <= low and high < vocab:
+        return None
+    return (f"input_ids hold token ids from {low} to {high}, outside the model's vocabulary of "
+            f"{vocab} (ids 0 .. {vocab - 1}): a pad id or another tokenizer's ids?")
+
+
 def _check_inputs(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float
-) -> None:
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, temperature: float,
+    chunk_tokens: int | None = None,
+) -> int:
+    """Shapes, dtypes and numbers of :func:`completion_logprobs`; returns ``prompt_len`` as an int."""
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask "
             f"{tuple(attention_mask.shape)} must both be [B, T]"
         )
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: no rows; expected B >= 1")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids has dtype {input_ids.dtype}; expected integer token ids (torch.long)")
+    prompt_len = _as_int(prompt_len, "prompt_len")
+    if chunk_tokens is not None and _as_int(chunk_tokens, "chunk_tokens") < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0: the full logits) or None")
     if not 1 <= prompt_len < input_ids.shape[1]:
         raise ValueError(
             f"prompt_len {prompt_len} must be at least 1 (the first completion token needs a "
@@ -293,3 +345,11 @@ def _check_inputs(
             f"temperature {temperature} must be positive; greedy decoding (temperature 0) "
             f"has no log-probs, score it with temperature 1"
         )
+    return prompt_len
+
+
+def _as_int(value: object, name: str) -> int:
+    """``value`` as an int; a bool or a float is refused (``True`` is not a length)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}) must be an int")
+    return value.__index__()
