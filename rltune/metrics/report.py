@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import math
 import numbers
+import os
 import re
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
@@ -24,22 +25,24 @@ from typing import Any
 import yaml
 
 from rltune.metrics import keys
-from rltune.metrics.images import copy_images, images_html, resolve_image, sample_image_paths
-from rltune.metrics.jsonl import JsonlError, JsonlReader
-from rltune.metrics.report_charts import CHARTS, write_charts
+from rltune.metrics.images import copy_images, images_html, sample_image_paths
+from rltune.metrics.jsonl import BadLine, JsonlError, JsonlReader, RunFileError, open_file, row_step
+from rltune.metrics.report_charts import GENERATOR, is_report_page  # noqa: F401 (part of this module's API)
+from rltune.metrics.report_charts import odd_value, odd_value_notes, replaced_files, write_charts
 
 Series = dict[int, float]
 """One metric: step -> value (finite values only; a later line at a step wins)."""
 
+Odd = dict[int, str]
+"""One metric's values that are not finite numbers: step -> how it is shown (``nan``, ...)."""
+
 SAMPLES_SHOWN = 3
 """How many of the best and how many of the worst rollouts the page shows."""
 
-MAX_TEXT = 4000
-"""Characters of a prompt or completion shown; the rest is cut with a note."""
-
-GENERATOR = '<meta name="generator" content="rltune report">'
-"""Written near the top of every report's ``index.html``: how a later report tells a folder
-that holds an earlier one (which it may replace) from someone else's."""
+MAX_TEXT, MAX_ERROR, MAX_FACT, MAX_TURNS = 4000, 1000, 200, 20
+"""Characters shown of a prompt, completion or turn; of a reward error; of one fact of a
+rollout (finish reason, prompt id, a reward's name); turns shown of a multi-turn rollout.
+What is cut is counted in a note where it is cut."""
 
 
 class ReportError(ValueError):
@@ -56,6 +59,8 @@ class RunData:
     train: dict[str, Series] = field(default_factory=dict)
     eval: dict[str, Series] = field(default_factory=dict)
     train_steps: list[int] = field(default_factory=list)
+    odd: dict[str, Odd] = field(default_factory=dict)
+    """Training and evaluation metrics' values that are not finite numbers, by key."""
     samples: list[dict[str, Any]] = field(default_factory=list)
     """The rollouts of the last step in ``samples.jsonl``."""
     config: dict[str, Any] | None = None
@@ -70,27 +75,36 @@ def load_run(run_dir: Path) -> RunData:
     if not run_dir.is_dir():
         raise ReportError(f"run directory {run_dir} does not exist (or is not a directory)")
     metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
+    if not os.path.lexists(metrics_path):
         raise ReportError(f"{metrics_path} does not exist: not a run directory, or the run has not started")
     data = RunData(run_dir=run_dir, name=run_dir.name)
-    _read_config(run_dir / "config.yaml", data)
     try:
+        _read_config(run_dir / "config.yaml", data)
         _read_metrics(metrics_path, data)
-        if (run_dir / "samples.jsonl").is_file():
+        if os.path.lexists(run_dir / "samples.jsonl"):
             _read_samples(run_dir / "samples.jsonl", data)
-    except JsonlError as exc:
+    except (JsonlError, RunFileError) as exc:  # RunFileError: a directory, a FIFO, no permission
         raise ReportError(str(exc)) from exc
+    except OSError as exc:
+        raise ReportError(f"{exc.filename or run_dir}: cannot be read ({exc.strerror or exc})") from None
+    data.notes += odd_value_notes(data.odd)
     return data
 
 
-_CUT_SHORT = "The last line of {} was incomplete (the run is still writing) and is left out."
+_CUT_SHORT = "The last line of {} was incomplete (no newline yet: the run is still writing it) and is left out."
 
 
 def _read_config(path: Path, data: RunData) -> None:
-    if not path.is_file():
+    if not os.path.lexists(path):
         data.notes.append("There is no config.yaml in the run directory.")
         return
-    text = path.read_text(encoding="utf-8")
+    with open_file(path) as handle:
+        raw = handle.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ReportError(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -107,7 +121,7 @@ def _read_config(path: Path, data: RunData) -> None:
 def _read_samples(path: Path, data: RunData) -> None:
     """Every line is checked; only the rollouts of the last step are kept (the page
     shows no others)."""
-    reader, last_step = JsonlReader(path), None
+    reader, last_step = JsonlReader(path, nonfinite=True), None
     for number, row in reader:
         step = _step_of(row, path, number)
         if last_step is None or step > last_step:
@@ -119,7 +133,9 @@ def _read_samples(path: Path, data: RunData) -> None:
 
 
 def _read_metrics(path: Path, data: RunData) -> None:
-    metrics = JsonlReader(path)
+    """Finite numbers into ``data.train``/``data.eval``; any other value into
+    ``data.odd`` (shown in the tables, noted); a later line at a step wins."""
+    metrics = JsonlReader(path, nonfinite=True)
     steps: set[int] = set()
     for number, row in metrics:
         step = _step_of(row, path, number)
@@ -128,42 +144,49 @@ def _read_metrics(path: Path, data: RunData) -> None:
                 continue
             if not keys.is_eval_key(key):
                 steps.add(step)
+            target = data.eval if keys.is_eval_key(key) else data.train
             number_value = _finite_number(value)
             if number_value is not None:
-                target = data.eval if keys.is_eval_key(key) else data.train
                 target.setdefault(key, {})[step] = number_value
+                data.odd.get(key, {}).pop(step, None)
+            else:
+                data.odd.setdefault(key, {})[step] = odd_value(value)
+                target.get(key, {}).pop(step, None)
     data.train_steps = sorted(steps)
+    data.train, data.eval = ({key: series for key, series in d.items() if series} for d in (data.train, data.eval))
     if metrics.cut_short:
         data.notes.append(_CUT_SHORT.format("metrics.jsonl"))
 
 
 def _step_of(row: Mapping[str, Any], path: Path, number: int) -> int:
-    step = row.get("step")
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ReportError(f"{path}:{number}: 'step' must be an integer, got {step!r}")
-    return step
+    try:
+        return row_step(row)
+    except BadLine as exc:
+        raise ReportError(f"{path}:{number}: {exc}") from None
 
 
 def _finite_number(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number; None for null, nan, inf, and for
-    values that are not numbers (charts and tables show numbers only)."""
+    """``value`` as a float when it is a finite number; None for null, nan, inf, an
+    integer too large for a float, and values that are not numbers (charts and tables
+    show numbers only)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
     return number if math.isfinite(number) else None
-
-
-# --------------------------------------------------------------------------- the page
 
 
 def fmt(value: float) -> str:
     """A number for a table: integers as such (``8``), large values with thousands
-    separators and one decimal (``12,345.6``), others to 4 significant digits (``0.05385``)."""
+    separators and one decimal (``12,345.6``), huge ones (from 1e15) and others to 4
+    significant digits (``1e+308``, ``0.05385``); ``nan``, ``inf``, ``-inf`` as such."""
+    if not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
     if value == int(value) and abs(value) < 1e6:
         return str(int(value))
-    if abs(value) >= 1000:
-        return f"{value:,.1f}"
-    return f"{value:.4g}"
+    return f"{value:,.1f}" if 1000 <= abs(value) < 1e15 else f"{value:.4g}"
 
 
 KEY_METRICS: tuple[tuple[str, str | None], ...] = (
@@ -186,16 +209,28 @@ reward functions (``reward/<fn>``) and the accuracies (``accuracy``, ``accuracy/
 best: max, follow ``reward/mean``."""
 
 
-def _summary_rows(data: RunData) -> list[tuple[str, Series, str | None]]:
+def _summary_rows(data: RunData) -> list[tuple[str, str | None]]:
+    """(metric, best direction) of each summary row: those logged, finite or not."""
+    logged = {key for key in [*data.train, *data.odd] if data.train.get(key) or data.odd.get(key)}
     rows: list[tuple[str, str | None]] = list(KEY_METRICS[:1])
-    rows += [(keys.reward_key(name), "max") for name in keys.reward_names(data.train)]
-    rows += [(key, "max") for key in sorted(data.train) if keys.is_accuracy_key(key)]
+    rows += [(keys.reward_key(name), "max") for name in keys.reward_names({k: 0 for k in logged})]
+    rows += [(key, "max") for key in sorted(logged) if keys.is_accuracy_key(key) and not keys.is_eval_key(key)]
     rows += list(KEY_METRICS[1:])
-    return [(key, data.train[key], best) for key, best in rows if data.train.get(key)]
+    return [(key, best) for key, best in rows if key in logged]
+
+
+def _value_at(data: RunData, key: str, step: int) -> str:
+    """The value of ``key`` at ``step`` as the tables show it (a non-finite one too)."""
+    series = data.train.get(key) or data.eval.get(key) or {}
+    return fmt(series[step]) if step in series else _e(data.odd[key][step])
+
+
+def _steps_of(data: RunData, key: str) -> list[int]:
+    return sorted({*(data.train.get(key) or data.eval.get(key) or {}), *data.odd.get(key, {})})
 
 
 def _best(series: Series, direction: str | None) -> str:
-    if direction is None:
+    if direction is None or not series:
         return "–"
     pick = max if direction == "max" else min
     step = pick(sorted(series), key=lambda s: series[s])
@@ -207,25 +242,26 @@ def _summary_table(data: RunData) -> str:
     if not rows:
         return "<p>No training metrics have been logged yet.</p>"
     body = []
-    for key, series, direction in rows:
-        first, last = min(series), max(series)
+    for key, direction in rows:
+        steps = _steps_of(data, key)
+        first, last = steps[0], steps[-1]
         body.append(
-            f"<tr><th>{_e(key)}</th><td>{fmt(series[first])} <span class=\"step\">(step {first})</span></td>"
-            f"<td>{fmt(series[last])} <span class=\"step\">(step {last})</span></td>"
-            f"<td>{_best(series, direction)}</td></tr>"
+            f"<tr><th>{_e(key)}</th><td>{_value_at(data, key, first)} <span class=\"step\">(step {first})</span></td>"
+            f"<td>{_value_at(data, key, last)} <span class=\"step\">(step {last})</span></td>"
+            f"<td>{_best(data.train.get(key, {}), direction)}</td></tr>"
         )
     head = "<tr><th>metric</th><th>first</th><th>last</th><th>best</th></tr>"
     return f"<table class=\"summary\">{head}{''.join(body)}</table>"
 
 
 def _eval_table(data: RunData) -> str:
-    if not data.eval:
+    logged = sorted(key for key in {*data.eval, *data.odd} if keys.is_eval_key(key) and _steps_of(data, key))
+    if not logged:
         return ""
     body = []
-    for key in sorted(data.eval):
-        series = data.eval[key]
-        last = max(series)
-        body.append(f"<tr><th>{_e(key)}</th><td>{fmt(series[last])}</td><td>{last}</td></tr>")
+    for key in logged:
+        last = _steps_of(data, key)[-1]
+        body.append(f"<tr><th>{_e(key)}</th><td>{_value_at(data, key, last)}</td><td>{last}</td></tr>")
     head = "<tr><th>metric</th><th>value</th><th>step</th></tr>"
     return f"<h2>Final evaluation</h2><table class=\"eval\">{head}{''.join(body)}</table>"
 
@@ -252,7 +288,8 @@ Sample = Mapping[str, Any]
 def pick_samples(samples: Sequence[Sample]) -> tuple[int | None, list[Sample], list[Sample], int]:
     """At the last step that has samples: the best and the worst rollouts by reward
     (up to :data:`SAMPLES_SHOWN` each, no rollout in both, worst first in its list), and
-    how many rollouts of that step had no reward (a failed reward function)."""
+    how many rollouts of that step have no finite reward to rank them by
+    (:func:`_unranked` says why)."""
     if not samples:
         return None, [], [], 0
     step = max(int(s["step"]) for s in samples)
@@ -281,37 +318,88 @@ def _content(content: Any) -> str:
     return "".join(str(part.get("text", "")) if part.get("type") == "text" else "[image]" for part in parts)
 
 
-def _cut(text: str) -> str:
-    """``text`` cut to :data:`MAX_TEXT` characters, and control characters other than
-    tab, newline and carriage return (which HTML does not allow, and a model may well generate) written
-    as ``\\xNN`` so they stay visible."""
-    shown = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + f"\n… ({len(text) - MAX_TEXT} more characters)"
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", shown)
+def _cut(text: str, limit: int = MAX_TEXT, gap: str = "\n") -> str:
+    """``text`` cut to ``limit`` characters, with a note of how many more there were."""
+    return text if len(text) <= limit else text[:limit] + f"{gap}… ({len(text) - limit} more characters)"
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+def _fact(text: Any) -> str:
+    """One fact of a rollout, on one line and cut to :data:`MAX_FACT` characters."""
+    return _cut(str(text).replace("\n", " "), MAX_FACT, "")
+
+
+_HIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""Control characters but tab, newline and carriage return (HTML does not allow them), and
+marks that reorder text (U+202E shows text reversed): written as ``\\xNN``/``\\uNNNN``."""
+
+
+def _neutral(text: str) -> str:
+    return _HIDDEN.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                       text)
+
+
+def _reward_fact(value: Any) -> str:
+    number = _finite_number(value)
+    return fmt(number) if number is not None else "–" if value is None else odd_value(value)
 
 
 def _sample_html(sample: Mapping[str, Any], copied: Set[str]) -> str:
     facts = [f"reward {fmt(float(sample['reward']))}"]
     rewards = sample.get("rewards")
     if isinstance(rewards, dict):
-        for name, value in rewards.items():
-            number = _finite_number(value)
-            facts.append(f"{name} {fmt(number) if number is not None else '–'}")
-    for key in ("length", "finish_reason", "turns", "prompt_id"):
+        facts += [f"{_fact(name)} {_reward_fact(value)}" for name, value in rewards.items()]
+    for key in ("length", "finish_reason", "prompt_id"):
         if sample.get(key) is not None:
-            facts.append(f"{key.replace('_', ' ')} {sample[key]}")
+            facts.append(f"{key.replace('_', ' ')} {_fact(sample[key])}")
+    turns = sample.get("turns")
+    if turns is not None:
+        facts.append(f"turns {len(turns)}" if isinstance(turns, list) else f"turns {_fact(turns)}")
     error = sample.get("reward_error")
-    error_html = f"<p class=\"error\">reward error: {_e(str(error))}</p>" if error else ""
+    error_html = f"<p class=\"error\">reward error: {_e(_cut(str(error), MAX_ERROR))}</p>" if error else ""
     return (
         "<div class=\"sample\">"
         f"<p class=\"facts\">{_e(' · '.join(facts))}</p>{error_html}"
         f"{images_html(sample_image_paths(sample), copied)}"
         f"<div class=\"label\">prompt</div><pre>{_e(_cut(_text(sample.get('prompt'))))}</pre>"
         f"<div class=\"label\">completion</div><pre>{_e(_cut(_text(sample.get('completion'))))}</pre>"
-        "</div>"
+        f"{_turns_html(turns) if isinstance(turns, list) else ''}</div>"
     )
+
+
+def _turns_html(turns: list[Any]) -> str:
+    """A multi-turn episode, one block per turn: its role, whether it was trained on, its
+    tokens, its text (cut like a completion)."""
+    parts = []
+    for number, turn in enumerate(turns[:MAX_TURNS], start=1):
+        if not isinstance(turn, dict):
+            parts.append(f"<div class=\"label\">turn {number}: not a turn ({_e(_fact(turn))})</div>")
+            continue
+        label = [f"turn {number}", _fact(turn.get("role", "?"))]
+        label += ["masked (not trained on)"] if turn.get("trained") is False else []
+        label += [f"{turn['tokens']} tokens"] if isinstance(turn.get("tokens"), int) else []
+        parts.append(f"<div class=\"label\">{_e(' · '.join(label))}</div>"
+                     f"<pre>{_e(_cut(_content(turn.get('content', ''))))}</pre>")
+    if len(turns) > MAX_TURNS:
+        parts.append(f"<div class=\"label\">… {len(turns) - MAX_TURNS} more turns</div>")
+    return "".join(parts)
+
+
+def _unranked(at_step: Sequence[Sample]) -> list[str]:
+    """Why rollouts of the shown step are not ranked, one sentence per reason."""
+    why: dict[str, int] = {}
+    for sample in at_step:
+        reward = sample.get("reward")
+        if _finite_number(reward) is not None:
+            continue
+        if reward is None:
+            reason = "had no reward (a reward function failed)" if sample.get("reward_error") else "had no reward"
+        elif isinstance(reward, numbers.Real) and not isinstance(reward, bool):
+            reason = f"had a reward that is not finite ({odd_value(reward)})"
+        else:
+            reason = f"had a reward that is not a number ({odd_value(reward)})"
+        why[reason] = why.get(reason, 0) + 1
+    return [f"{count} rollout{'s' if count != 1 else ''} of this step {reason} and "
+            f"{'are' if count != 1 else 'is'} not ranked." for reason, count in why.items()]
 
 
 def _samples_section(data: RunData, copied: Set[str]) -> str:
@@ -320,9 +408,7 @@ def _samples_section(data: RunData, copied: Set[str]) -> str:
         return ""
     parts = [f"<h2>Sample rollouts at step {step}</h2>"]
     if unscored:
-        many = unscored != 1
-        parts.append(f"<p>{unscored} rollout{'s' if many else ''} of this step had no reward (a reward "
-                     f"function failed) and {'are' if many else 'is'} not ranked.</p>")
+        parts += [f"<p>{_e(line)}</p>" for line in _unranked([s for s in data.samples if s["step"] == step])]
     if best:
         parts.append("<h3>Best</h3>" + "".join(_sample_html(s, copied) for s in best))
     if worst:
@@ -363,7 +449,8 @@ def render_html(data: RunData, charts: Sequence[tuple[str, str]], copied: Set[st
 
 
 def _e(text: str) -> str:
-    return html.escape(text, quote=True)
+    """``text`` for HTML: escaped, its control and reordering characters made visible."""
+    return html.escape(_neutral(text), quote=True)
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
@@ -397,8 +484,12 @@ def _write(data: RunData, out: Path, default: Path) -> Path:
         raise ReportError(f"report directory {out} exists and is not a directory")
     _, best, worst, _ = pick_samples(data.samples)  # the shown rollouts' images go beside the page
     image_paths = [p for s in [*best, *worst] for p in sample_image_paths(s)]
-    if out.is_dir() and out.resolve() != default.resolve():
-        _check_replaceable(out, data.run_dir, image_paths)
+    replacing = out.is_dir() and out.resolve() != default.resolve()
+    taken = replaced_files(out, data.run_dir, image_paths) if replacing else []
+    if taken:
+        raise ReportError(
+            f"report directory {out} already holds {', '.join(taken)}, which the report would overwrite or remove "
+            "and no earlier rltune report wrote; choose a new or empty directory, or move those files aside")
     out.mkdir(parents=True, exist_ok=True)
     charts = write_charts(data, out)
     index = out / "index.html"
@@ -406,32 +497,3 @@ def _write(data: RunData, out: Path, default: Path) -> Path:
     # a lone surrogate in a sample's text (no UTF-8 for it) shows as its escape, \ud800
     index.write_text(render_html(data, charts, copied), encoding="utf-8", errors="backslashreplace")
     return index
-
-
-def is_report_page(path: Path) -> bool:
-    """Whether ``path`` is an ``index.html`` a report wrote: it has :data:`GENERATOR`, or
-    (a report written before that tag) the report's title, in its first kilobytes."""
-    try:
-        with path.open("rb") as page:
-            head = page.read(4096)
-    except OSError:
-        return False
-    return GENERATOR.encode() in head or "– rltune report</title>".encode() in head
-
-
-def _check_replaceable(out: Path, run_dir: Path, image_paths: Sequence[str]) -> None:
-    """A :class:`ReportError` naming ``out`` if it holds, and no earlier report wrote, a
-    file a report there would write or remove."""
-    if is_report_page(out / "index.html"):
-        return
-    names = ["index.html", *(filename for filename, _, _ in CHARTS)]
-    for relative in dict.fromkeys(image_paths):
-        source = resolve_image(run_dir, relative)
-        if source is not None and (out / relative).resolve() != source:
-            names.append(relative)
-    taken = [name for name in names if (out / name).exists() or (out / name).is_symlink()]
-    if taken:
-        raise ReportError(
-            f"report directory {out} already holds {', '.join(taken)}, which the report would overwrite or remove "
-            "and no earlier rltune report wrote; choose a new or empty directory, or move those files aside"
-        )

@@ -1,17 +1,70 @@
-"""The charts of ``rltune report``: PNG files drawn with matplotlib from a run's metrics
-(:class:`rltune.metrics.report.RunData`), on ``matplotlib.figure.Figure`` with the Agg
-canvas directly, never through ``pyplot``, so no global matplotlib state changes."""
+"""The charts of ``rltune report`` and the files it writes beside them: PNG files drawn
+with matplotlib from a run's metrics (:class:`rltune.metrics.report.RunData`), on
+``matplotlib.figure.Figure`` with the Agg canvas directly, never through ``pyplot``, so
+no global matplotlib state changes. A chart draws finite numbers only;
+:func:`odd_value_notes` says which values it leaves out, so that a diverging run does
+not look fine. :func:`replaced_files` tells which files of an output folder a report
+would replace."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltune.metrics import keys
+from rltune.metrics.images import resolve_image
 
 if TYPE_CHECKING:
     from rltune.metrics.report import RunData, Series
+
+
+def odd_value(value: Any) -> str:
+    """How a value that is not a finite number is shown in place of one: ``nan``,
+    ``inf``, ``-inf``, ``null (not finite)`` (how a run writes a non-finite value),
+    ``too large for a float``, ``'0.5' (text)``, ``true``, ``a list``, ``an object``."""
+    if value is None:
+        return "null (not finite)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, numbers.Real):
+        try:
+            number = float(value)
+        except OverflowError:
+            return "too large for a float"
+        return "nan" if math.isnan(number) else "inf" if number > 0 else "-inf" if number < 0 else str(number)
+    if isinstance(value, str):
+        shown = value if len(value) <= 20 else value[:20] + "…"
+        return f"{shown!r} (text)"
+    return {"list": "a list", "dict": "an object"}.get(type(value).__name__, f"a {type(value).__name__}")
+
+
+def odd_value_notes(odd: Mapping[str, Mapping[int, str]]) -> list[str]:
+    """One note per metric with values that are not finite numbers: what they are and at
+    which steps, left out of the charts."""
+    notes = []
+    for key in sorted(odd):
+        if odd[key]:
+            steps = sorted(odd[key])
+            shown = ", ".join(dict.fromkeys(odd[key][step] for step in steps))
+            notes.append(f"{key} is not a finite number at {_step_list(steps)} ({shown}); "
+                         "the charts leave those points out.")
+    return notes
+
+
+def _step_list(steps: Sequence[int]) -> str:
+    """``step 3``, ``steps 1–4, 7``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    text = ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs[:10])
+    text += f" and {len(runs) - 10} more" if len(runs) > 10 else ""
+    return f"step{'s' if len(steps) > 1 else ''} {text}"
 
 
 def _figure(panels: int = 1) -> tuple[Any, list[Any]]:
@@ -153,3 +206,32 @@ def write_charts(data: RunData, out_dir: Path) -> list[tuple[str, str]]:
         elif path.exists():
             path.unlink()
     return written
+
+
+GENERATOR = '<meta name="generator" content="rltune report">'
+"""Written near the top of every report's ``index.html``: how a later report tells a folder
+that holds an earlier one (which it may replace) from someone else's."""
+
+
+def is_report_page(path: Path) -> bool:
+    """Whether ``path`` is an ``index.html`` a report wrote: it has :data:`GENERATOR`, or
+    (a report written before that tag) the report's title, in its first kilobytes."""
+    try:
+        with path.open("rb") as page:
+            head = page.read(4096)
+    except OSError:
+        return False
+    return GENERATOR.encode() in head or "– rltune report</title>".encode() in head
+
+
+def replaced_files(out: Path, run_dir: Path, image_paths: Sequence[str]) -> list[str]:
+    """The files of ``out`` that a report there would write or remove (``index.html``, a
+    chart, a copied image), unless an earlier report wrote them (then none)."""
+    if is_report_page(out / "index.html"):
+        return []
+    names = ["index.html", *(filename for filename, _, _ in CHARTS)]
+    for relative in dict.fromkeys(image_paths):
+        source = resolve_image(run_dir, relative)
+        if source is not None and (out / relative).resolve() != source:
+            names.append(relative)
+    return [name for name in names if (out / name).exists() or (out / name).is_symlink()]

@@ -15,28 +15,39 @@ Pages and files
                                    name is the content's digest)
 
 JSON API (every answer is ``application/json`` with ``Cache-Control: no-store``; an error
-is ``{"error": "..."}`` with status 400 for a bad request or 404 for an unknown run;
-any method but GET and HEAD is answered 405 with ``Allow: GET, HEAD``, on any path)
+is ``{"error": "..."}`` with status 400 for a bad request, 404 for an unknown run, 403 for
+a run file that is a link leading out of its run directory (never read), 409 for a run
+file that exists but cannot be read (a directory, a FIFO, no permission), 413 for a
+config over 1 MiB; the message names the file and why. Any method but GET and HEAD is
+answered 405 with ``Allow: GET, HEAD``, on any path)
     ``GET /api/runs``
         ``{"now": UNIX_S, "live_window_s": S, "sample_cap": N,
-        "roots": [{"path", "runs"}], "runs": [RUN, ...]}`` where ``RUN`` is ``{"id",
-        "name", "path", "last_step": INT|null, "last_write": UNIX_S|null, "live": BOOL,
-        "files": {"metrics", "samples", "config": BOOL}}``. The folders are looked at
-        again on each call, so a run started later appears. ``live``: a file of the run
-        was written within the last ``live_window_s`` seconds. ``last_step`` comes from
-        the last complete line of ``metrics.jsonl``.
+        "roots": [{"path", "runs", "error": TEXT|null}], "runs": [RUN, ...]}`` where
+        ``RUN`` is ``{"id", "name", "path", "last_step": INT|null, "last_write":
+        UNIX_S|null, "live": BOOL, "files": {"metrics", "samples", "config": BOOL},
+        "errors": [TEXT, ...]}``. The folders are looked at again on each call, so a run
+        started later appears and one deleted is no longer listed. ``live``: a file of the
+        run was written within the last ``live_window_s`` seconds. ``last_step`` comes
+        from the last complete line of ``metrics.jsonl``. ``files``: which files exist
+        and can be read; ``errors``: ``"FILE: why"`` for each that exists but cannot be
+        read (that run only; the others are served). A root's ``error``: what could not
+        be looked into (the folder removed, replaced by a file, no permission). Names
+        that are not UTF-8 are shown (and run ids made) with ``\\xNN`` for each such byte.
     ``GET /api/metrics?run=ID[&cursor=C]``
         ``{"run", "rows": [ROW, ...], "cursor": C, "reset": BOOL, "more": BOOL,
-        "bad_lines": N}``: the rows of ``metrics.jsonl`` (training and evaluation rows as
-        written, non-finite values as null) after cursor ``C`` (from the first row
+        "bad_lines": N, "first_bad": TEXT|null}``: the rows of ``metrics.jsonl`` (training
+        and evaluation rows as written, non-finite values as null, ``step`` an integer)
+        after cursor ``C`` (from the first row
         without one), at most 2000 per answer. Send the returned ``cursor`` (opaque
         text) next time to get only new rows. ``reset: true`` means the file was
         rewritten (a resumed run truncates it) or the server restarted since the cursor
         was handed out: drop what you hold for the run, ``rows`` start from the first
         row again. ``more: true``: more rows are ready, ask again now. A line still
         being written is returned once it is complete. ``bad_lines``: lines skipped,
-        among those read for this answer, because they are not JSON objects. The server
-        keeps no metrics rows in memory; each answer parses the file from the cursor.
+        among those read for this answer, because they are not JSON objects or have no
+        integer ``step`` (``5.0`` counts as 5); ``first_bad``: the first of them, as
+        ``line N: why``. The server keeps no metrics rows in memory; each answer parses
+        the file from the cursor. A cursor is at most 20 digits after its colon.
     ``GET /api/samples?run=ID[&cursor=C]``
         The same for ``samples.jsonl`` (at most 1000 rows per answer), from the newest
         ``sample_cap`` rows of the run that the server keeps in memory; a cursor older
@@ -50,8 +61,10 @@ any method but GET and HEAD is answered 405 with ``Allow: GET, HEAD``, on any pa
 Files are read by byte offset, so a poll reads only what was appended since the last one.
 
 Security
-    The server binds 127.0.0.1 unless told otherwise. Binding any other address needs a
-    token (:class:`DashboardError` otherwise). With a token every request must carry it,
+    The server binds 127.0.0.1 unless told otherwise (an IPv6 address may be given in
+    brackets, as the dashboard writes it in a URL). Binding any other address needs a
+    token (:class:`DashboardError` otherwise) of letters, digits and punctuation other than
+    ``+ & # %``, which a URL's query would change. With a token every request must carry it,
     as ``Authorization: Bearer TOKEN`` or as the cookie the page sets: ``GET /?token=TOKEN``
     answers with a redirect to ``/`` that sets an ``HttpOnly; SameSite=Strict`` cookie, so
     the token leaves the address bar and the page's own requests carry it. Anything else
@@ -59,7 +72,9 @@ Security
     address, the server answers 403 to a request whose ``Host`` header is not a loopback
     name or address, so a web page on another site cannot reach it by pointing a name at
     127.0.0.1 (DNS rebinding). The page is sent with a Content-Security-Policy that allows
-    only the server itself.
+    only the server itself. A run's files are read only when they are regular files that
+    resolve inside the run directory: a link leading elsewhere is refused (403), so a
+    run directory cannot expose other files of this machine.
 """
 
 from __future__ import annotations
@@ -79,9 +94,10 @@ from urllib.parse import parse_qs, unquote
 
 from rltune.metrics import keys
 from rltune.metrics.dashboard.errors import DashboardError
-from rltune.metrics.dashboard.runs import CONFIG_FILE, Run, RunIndex
+from rltune.metrics.dashboard.readers import CursorError, JsonlLog, JsonlTail
+from rltune.metrics.dashboard.runs import CONFIG_FILE, Run, RunIndex, shown
 from rltune.metrics.images import content_type, resolve_image
-from rltune.metrics.jsonl import CursorError, JsonlLog, JsonlTail, json_bytes
+from rltune.metrics.jsonl import RunFileError, json_bytes
 
 STATIC_DIR = Path(__file__).parent / "static"
 CONTENT_TYPES = {
@@ -101,6 +117,9 @@ COOKIE_PREFIX = "rltune_dashboard_"
 one host, and two dashboards on one machine must not overwrite each other's."""
 TOKEN_ENV = "RLTUNE_DASHBOARD_TOKEN"
 MIN_TOKEN_CHARS = 16
+TOKEN_URL_CHARS = "+&#%"
+"""Characters a token may not hold: in ``/?token=...`` they mean something else (a space,
+the next parameter, the fragment, an escape)."""
 METRICS_ROWS_PER_ANSWER = 2000
 SAMPLE_ROWS_PER_ANSWER = 1000
 LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
@@ -161,6 +180,8 @@ def make_server(run_dirs: Sequence[Path], *, host: str = "127.0.0.1", port: int 
     seconds is shown as live. ``log`` receives request errors."""
     if not 0 <= port <= 65535:
         raise DashboardError(f"port {port} is not a port number (0-65535; 0 picks a free one)")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address as a URL writes it
+        host = host[1:-1]
     if token is not None:
         _check_token(token)
     loopback = _is_loopback(host)
@@ -189,6 +210,9 @@ def serve(run_dirs: Sequence[Path], *, host: str = "127.0.0.1", port: int = 8765
         log(f"  from other machines: http://THIS-MACHINE:{server.port}/")
     if token is not None:
         log("  token required: open the page once as /?token=TOKEN, or send 'Authorization: Bearer TOKEN'")
+    for root in server.index.roots():
+        if root.error:
+            log(f"  warning: {root.error}")
     log("  press Ctrl-C to stop")
     try:
         server.serve_forever(poll_interval=0.5)
@@ -205,6 +229,12 @@ def _check_token(token: str) -> None:
             "(for example: python -c 'import secrets; print(secrets.token_urlsafe())')")
     if not token.isascii() or not token.isprintable() or any(ch.isspace() for ch in token):
         raise DashboardError("the dashboard token must be printable ASCII without spaces")
+    bad = sorted({ch for ch in token if ch in TOKEN_URL_CHARS})
+    if bad:
+        raise DashboardError(
+            f"the dashboard token holds {' '.join(repr(ch) for ch in bad)}, which /?token=TOKEN cannot carry "
+            "as written; use letters, digits, '-' and '_' (for example: python -c 'import secrets; "
+            "print(secrets.token_urlsafe())')")
 
 
 def _is_loopback(host: str) -> bool:
@@ -357,7 +387,9 @@ class _Handler(BaseHTTPRequestHandler):
                 text = run.config_text()
             except DashboardError as err:
                 raise _BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, str(err)) from None
-            self._json({"run": run.id, "path": str(run.path / CONFIG_FILE), "text": text})
+            except RunFileError as err:
+                raise _file_error(err) from None
+            self._json({"run": run.id, "path": shown(str(run.path / CONFIG_FILE)), "text": text})
         elif path.startswith("/api/"):
             raise _BadRequest(HTTPStatus.NOT_FOUND,
                               f"no API {path}; there are /api/runs, /api/metrics, /api/samples, /api/config, /api/keys")
@@ -379,8 +411,10 @@ class _Handler(BaseHTTPRequestHandler):
             chunk = reader.read(_param(params, "cursor"), limit=limit)
         except CursorError as err:
             raise _BadRequest(HTTPStatus.BAD_REQUEST, str(err)) from None
+        except RunFileError as err:
+            raise _file_error(err) from None
         return {"run": run_id, "rows": chunk.rows, "cursor": chunk.cursor, "reset": chunk.reset,
-                "more": chunk.more, "bad_lines": chunk.bad_lines}
+                "more": chunk.more, "bad_lines": chunk.bad_lines, "first_bad": chunk.first_bad}
 
     def _static(self, relative: str, *, page: bool = False) -> None:
         """A file under the static folder; 404 for anything that is not a plain file of
@@ -434,6 +468,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not self._head:
             self.wfile.write(body)
+
+
+def _file_error(err: RunFileError) -> _BadRequest:
+    """A run file that is not served: 403 for a link out of the run directory, 409 for a
+    file that cannot be read; the message names the file (by its name) and why."""
+    status = HTTPStatus.FORBIDDEN if err.outside else HTTPStatus.CONFLICT
+    return _BadRequest(status, f"{shown(err.path.name)}: {err.reason}")
 
 
 def _param(params: dict[str, list[str]], name: str) -> str | None:

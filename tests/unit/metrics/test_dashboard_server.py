@@ -12,8 +12,6 @@ import json
 import os
 import re
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import pytest
 from rltune.metrics import keys
 from rltune.metrics.dashboard import DashboardError, DashboardServer, make_server, serve
 from rltune.metrics.dashboard.server import STATIC_DIR
-from rltune.metrics.jsonl import Chunk, JsonlLog, JsonlTail, last_step
+from rltune.metrics.dashboard.readers import Chunk, JsonlLog, JsonlTail, last_step
 
 TOKEN = "s3cret-token-0123456789"
 CONFIG = "name: a\nalgo:\n  name: grpo\n"
@@ -83,26 +81,6 @@ def fetch(port: int, path: str, *, headers: dict[str, str] | None = None,
         connection.close()
 
 
-@pytest.fixture
-def start() -> Iterator[Callable[..., DashboardServer]]:
-    """``start(paths, **make_server_kwargs)``: a server on a free port, serving in a thread."""
-    running: list[tuple[DashboardServer, threading.Thread]] = []
-
-    def _start(paths: list[Path], **kwargs: Any) -> DashboardServer:
-        kwargs.setdefault("port", 0)
-        server = make_server(paths, **kwargs)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        running.append((server, thread))
-        return server
-
-    yield _start
-    for server, thread in running:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
 # ---------------------------------------------------------------- API on a run directory
 
 
@@ -115,13 +93,13 @@ def test_runs_lists_each_run_with_last_step_last_write_and_files(tmp_path: Path,
     body = fetch(server.port, "/api/runs").json()
 
     newest = max((run / name).stat().st_mtime for name in ("metrics.jsonl", "samples.jsonl", "config.yaml"))
-    assert body["roots"] == [{"path": str(tmp_path / "runs"), "runs": 2}]
+    assert body["roots"] == [{"path": str(tmp_path / "runs"), "runs": 2, "error": None}]
     assert body["live_window_s"] == 60.0 and body["sample_cap"] == 5000
     assert body["runs"] == [
         {"id": "a", "name": "a", "path": str(run), "last_step": 2, "last_write": newest, "live": True,
-         "files": {"metrics": True, "samples": True, "config": True}},
+         "files": {"metrics": True, "samples": True, "config": True}, "errors": []},
         {"id": "b", "name": "b", "path": str(old), "last_step": None, "last_write": 1_700_000_000.0,
-         "live": False, "files": {"metrics": False, "samples": False, "config": True}},
+         "live": False, "files": {"metrics": False, "samples": False, "config": True}, "errors": []},
     ]
 
 
@@ -349,7 +327,7 @@ def test_a_run_started_after_the_dashboard_appears(tmp_path: Path, start) -> Non
     write_run(runs / "late", [ROW1])
     listed = fetch(server.port, "/api/runs").json()
     assert [run["id"] for run in listed["runs"]] == ["late"]
-    assert listed["roots"] == [{"path": str(runs), "runs": 1}]
+    assert listed["roots"] == [{"path": str(runs), "runs": 1, "error": None}]
     assert fetch(server.port, "/api/metrics?run=late").json()["rows"] == [ROW1]
 
 
@@ -434,12 +412,12 @@ def test_the_page_loads_nothing_from_elsewhere() -> None:
     references = re.findall(r'(?:src|href)="([^"]*)"', page)
     assert references == ["/static/favicon.svg", "/static/vendor/uplot/uPlot.min.css", "/static/app.css",
                           "/static/vendor/uplot/uPlot.iife.min.js", "/static/charts.js",
-                          "/static/rollouts.js", "/static/app.js",
+                          "/static/rollouts.js", "/static/runlist.js", "/static/app.js",
                           "#charts", "#rollouts", "#config"]
     for reference in references:
         if reference.startswith("/static/"):
             assert (STATIC_DIR / reference.removeprefix("/static/")).is_file(), reference
-    for name in ("index.html", "app.js", "charts.js", "rollouts.js", "app.css"):
+    for name in ("index.html", "app.js", "charts.js", "rollouts.js", "runlist.js", "app.css"):
         text = (STATIC_DIR / name).read_text()
         assert not re.search(r"https?:|//[a-z0-9.-]+\.[a-z]{2,}/", text, re.IGNORECASE), name
 

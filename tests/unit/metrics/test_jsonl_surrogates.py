@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from rltune.metrics.dashboard import make_server
-from rltune.metrics.jsonl import JsonlReader, JsonlTail
+from rltune.metrics.dashboard.readers import JsonlTail
+from rltune.metrics.jsonl import JsonlReader
 from rltune.metrics.sinks import JsonlWriter, truncate_after_step
 
 SURROGATE_TEXT = [

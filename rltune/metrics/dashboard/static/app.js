@@ -82,25 +82,34 @@
       this.samplesCursor = null;
       this.samples = [];
       this.nextSeq = 0;
+      this.failed = { metrics: null, samples: null }; // the server's message when a pull failed
+      this.bad = { metrics: null, samples: null }; // {count, first}: lines the server skipped
     }
 
     rewardFns() {
       return [...this.series.keys()].filter(isRewardFnKey).sort();
     }
 
-    clearMetrics() { this.series = new Map(); }
+    clearMetrics() { this.series = new Map(); this.bad.metrics = null; }
 
-    clearSamples() { this.samples = []; }
+    clearSamples() { this.samples = []; this.bad.samples = null; }
+
+    /** Count the lines an answer says the server skipped; the first one is kept to show. */
+    noteBad(file, body) {
+      if (!body.bad_lines) return;
+      if (!this.bad[file]) this.bad[file] = { count: 0, first: body.first_bad || null };
+      this.bad[file].count += body.bad_lines;
+    }
 
     addMetricsRow(row) {
-      const step = row.step;
+      const step = row.step; // an integer: the server skips (and counts) rows without one
       if (typeof step !== "number") return;
       for (const [key, value] of Object.entries(row)) {
         if (key === "step" || !isChartKey(key)) continue;
         if (value !== null && typeof value !== "number") continue;
         let series = this.series.get(key);
         if (!series) this.series.set(key, (series = { x: [], y: [] }));
-        addPoint(series, step, value);
+        addPoint(series, step, Number.isFinite(value) ? value : null); // an integer beyond a double: a gap too
       }
     }
   }
@@ -162,9 +171,13 @@
 
   const toCamel = (name) => name.replace(/-([a-z])/g, (_, c) => c.toUpperCase());
 
-  /** Control characters made visible (U+2400 block); newlines and tabs kept. */
+  /** Control characters made visible (U+2400 block); newlines and tabs kept. Other
+      invisible controls and the marks that reorder text (U+202E would show text
+      reversed) are written as [U+XXXX]. */
   const visible = (text) => String(text).replace(/[\u0000-\u0008\u000b-\u001f\u007f]/g,
-    (ch) => (ch === "\u007f" ? "\u2421" : String.fromCharCode(0x2400 + ch.charCodeAt(0))));
+    (ch) => (ch === "\u007f" ? "\u2421" : String.fromCharCode(0x2400 + ch.charCodeAt(0))))
+    .replace(/[\u0080-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g,
+      (ch) => `[U+${ch.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0")}]`);
 
   function fmtNum(value) {
     if (value === null || value === undefined || Number.isNaN(value)) return "–";
@@ -199,19 +212,32 @@
     return `#${((1 << 24) | (r << 16) | (g << 8) | b).toString(16).slice(1)}`;
   }
 
+  /** The server answered with an error; `detail` is its message (names the file and why). */
   class HttpError extends Error {
-    constructor(status, message) { super(message); this.status = status; }
+    constructor(status, message, detail) { super(message); this.status = status; this.detail = detail; }
   }
 
+  /** The server could not be reached at all. */
+  class NetworkError extends Error {}
+
   async function getJSON(path) {
-    const response = await fetch(path, { credentials: "same-origin", cache: "no-store" });
+    let response;
+    try {
+      response = await fetch(path, { credentials: "same-origin", cache: "no-store" });
+    } catch (err) {
+      throw new NetworkError(err.message);
+    }
     if (!response.ok) {
       let detail = "";
       try { detail = (await response.json()).error || ""; } catch (_) { /* a text body */ }
-      throw new HttpError(response.status, `${path}: ${response.status} ${detail}`.trim());
+      throw new HttpError(response.status, `${path}: ${response.status} ${detail}`.trim(), detail);
     }
     return response.json();
   }
+
+  /** Whether an error stops the whole page (the server is gone, or wants its token)
+      rather than one run. */
+  const stopsPage = (err) => err instanceof NetworkError || (err instanceof HttpError && err.status === 401);
 
   const query = (params) => new URLSearchParams(
     Object.entries(params).filter(([, v]) => v !== null && v !== undefined)).toString();
@@ -235,6 +261,7 @@
       state.runs.get(info.id).info = info;
     }
     state.order = body.runs.map((info) => info.id);
+    state.selected.filter((id) => !state.order.includes(id)).forEach(deselect); // deleted since
     if (state.firstList && body.runs.length) {
       state.firstList = false;
       const newest = [...body.runs].sort((a, b) => (b.last_write || 0) - (a.last_write || 0)).slice(0, 4);
@@ -265,86 +292,23 @@
 
   function deselect(id) {
     state.selected = state.selected.filter((other) => other !== id);
+    const run = state.runs.get(id);
+    if (run) run.failed = { metrics: null, samples: null };
     state.metricsDirty = true;
     state.samplesDirty = true;
   }
 
-  /** The run list, updated in place: an item is made once per run, so a click or the
-      keyboard focus is never lost to a redraw. */
-  function renderRunList() {
-    const list = document.getElementById("run-list");
-    const empty = document.getElementById("run-empty");
-    const count = document.getElementById("run-count");
-    count.textContent = state.order.length ? `${state.selected.length} of ${state.order.length} shown` : "";
-    empty.hidden = state.order.length > 0;
-    if (!state.order.length) {
-      const where = state.roots.map((root) => root.path).join(", ");
-      empty.textContent = `No runs yet in ${where}. A run appears here as soon as training starts writing it.`;
-    }
-    for (const id of state.order) {
-      if (!state.items.has(id)) state.items.set(id, runItem(id));
-      updateRunItem(state.items.get(id), state.runs.get(id));
-    }
-    const wanted = state.order.map((id) => state.items.get(id).li);
-    if (wanted.length !== list.children.length || wanted.some((li, i) => list.children[i] !== li)) {
-      list.replaceChildren(...wanted);
-    }
-    renderRunChoices();
-  }
+  // ---------------------------------------------------------------- run list (runlist.js)
 
-  function runItem(id) {
-    const box = el("input", { type: "checkbox", "aria-label": `show ${id}` });
-    box.addEventListener("change", () => {
-      if (box.checked) select(id); else deselect(id);
+  const { renderRunList, problemsOf } = window.rltuneRunList({
+    state, el, visible, ago,
+    onToggle: (id, checked) => {
+      if (checked) select(id); else deselect(id);
       renderRunList();
       renderAll();
       poll.now();
-    });
-    const swatch = el("span", { class: "swatch" });
-    const meta = el("span", { class: "run-meta" });
-    const label = el("label", {}, box, swatch, el("span", { class: "run-name", text: id }), meta);
-    return { li: el("li", { "data-run": id }, label), label, box, swatch, meta, metaText: "" };
-  }
-
-  function updateRunItem(item, run) {
-    const info = run.info;
-    const selected = state.selected.includes(run.id);
-    item.box.checked = selected;
-    item.li.classList.toggle("selected", selected);
-    item.li.dataset.live = info.live ? "true" : "false";
-    item.label.title = info.path;
-    item.swatch.style.background = selected ? state.colours.get(run.id) : "";
-    const step = info.last_step === null ? "no steps yet" : `step ${info.last_step}`;
-    const when = info.live ? "live" : info.last_write === null ? "no files yet" : ago(state.serverNow - info.last_write);
-    const text = `${step}|${when}`;
-    if (text !== item.metaText) {
-      item.metaText = text;
-      item.meta.replaceChildren(el("span", { text: step }), el("span", { text: "·" }),
-        el("span", { class: info.live ? "live-badge" : "", text: when }));
-    }
-  }
-
-  /** Replace a select's options only when the choices changed (an open menu stays open). */
-  function setOptions(select, choices) {
-    const signature = JSON.stringify(choices);
-    if (select.dataset.choices === signature) return;
-    const current = select.value;
-    select.dataset.choices = signature;
-    select.replaceChildren(...choices.map(([value, text]) => el("option", { value, text })));
-    if (choices.some(([value]) => value === current)) select.value = current;
-  }
-
-  /** The run pickers of the rollout filter and the config view. */
-  function renderRunChoices() {
-    const runFilter = document.getElementById("f-run");
-    setOptions(runFilter, [["", "all selected runs"], ...state.selected.map((id) => [id, id])]);
-
-    const configPick = document.getElementById("config-run");
-    if (state.configRun && !state.runs.has(state.configRun)) state.configRun = null;
-    if (!state.configRun && state.order.length) state.configRun = state.selected[0] || state.order[0];
-    setOptions(configPick, state.order.map((id) => [id, id]));
-    if (state.configRun && configPick.value !== state.configRun) configPick.value = state.configRun;
-  }
+    },
+  });
 
   // ---------------------------------------------------------------- data
 
@@ -352,6 +316,7 @@
     for (let round = 0; round < 20; round++) {
       const body = await getJSON(`/api/metrics?${query({ run: run.id, cursor: run.metricsCursor })}`);
       if (body.reset) run.clearMetrics();
+      run.noteBad("metrics", body);
       body.rows.forEach((row) => run.addMetricsRow(row));
       if (body.reset || body.rows.length) state.metricsDirty = true;
       run.metricsCursor = body.cursor;
@@ -363,6 +328,7 @@
     for (let round = 0; round < 10; round++) {
       const body = await getJSON(`/api/samples?${query({ run: run.id, cursor: run.samplesCursor })}`);
       if (body.reset) run.clearSamples();
+      run.noteBad("samples", body);
       for (const row of body.rows) {
         row._run = run.id;
         row._seq = run.nextSeq++;
@@ -378,15 +344,37 @@
     }
   }
 
+  /** One file of one run; a failure is that run's own (shown in its entry of the run
+      list, with the server's message), so the other runs keep updating. */
+  async function pullRun(run, file, pull) {
+    try {
+      await pull(run);
+      run.failed[file] = null;
+    } catch (err) {
+      if (stopsPage(err)) throw err;
+      run.failed[file] = err instanceof HttpError ? err.detail || err.message : `page error: ${err.message}`;
+    }
+  }
+
   async function pullConfig() {
     const id = state.configRun;
     if (!id || state.configShown === id) return;
-    const body = await getJSON(`/api/config?${query({ run: id })}`);
-    if (state.configRun !== id) return;
     const text = document.getElementById("config-text");
+    let body;
+    try {
+      body = await getJSON(`/api/config?${query({ run: id })}`);
+    } catch (err) {
+      if (stopsPage(err) || !(err instanceof HttpError) || state.configRun !== id) throw err;
+      text.dataset.run = id;
+      text.dataset.error = "true";
+      text.textContent = `config.yaml of ${visible(id)} cannot be shown: ${visible(err.detail || err.message)}`;
+      return;
+    }
+    if (state.configRun !== id) return;
     text.dataset.run = id;
-    text.textContent = body.text === null ? "This run has no config.yaml yet." : body.text;
-    document.getElementById("config-path").textContent = body.path;
+    text.dataset.error = "false";
+    text.textContent = body.text === null ? "This run has no config.yaml yet." : visible(body.text);
+    document.getElementById("config-path").textContent = visible(body.path);
     if (body.text !== null) state.configShown = id;
   }
 
@@ -404,15 +392,16 @@
 
   // ---------------------------------------------------------------- loop
 
+  /** Redraw what changed; a part is marked clean only once it was drawn. */
   function renderAll() {
     if (state.metricsDirty) {
-      state.metricsDirty = false;
       renderCharts();
+      state.metricsDirty = false;
     }
     const follow = document.getElementById("f-follow").checked;
     if (state.samplesDirty && (follow || !document.getElementById("sample-rows").children.length)) {
-      state.samplesDirty = false;
       renderSamples();
+      state.samplesDirty = false;
     } else if (state.samplesDirty && state.pendingSamples) {
       document.getElementById("sample-summary").textContent =
         `${state.pendingSamples} new rollouts (tick "follow live" to show them)`;
@@ -427,14 +416,17 @@
     await refreshRuns();
     for (const id of state.selected) {
       const run = state.runs.get(id);
-      await pullMetrics(run);
-      await pullSamples(run);
+      await pullRun(run, "metrics", pullMetrics);
+      await pullRun(run, "samples", pullSamples);
     }
     await pullConfig();
+    renderRunList(); // with what this poll found wrong with each run
     renderAll();
     const live = state.selected.some((id) => state.runs.get(id).info.live);
+    const troubled = state.selected.filter((id) => problemsOf(state.runs.get(id)).length).length;
+    const note = troubled ? ` · ${troubled} run${troubled === 1 ? " has" : "s have"} problems (see Runs)` : "";
     const clock = new Date().toLocaleTimeString();
-    setStatus(live ? "live" : "idle", `${live ? "live" : "idle"} · updated ${clock}`);
+    setStatus(live ? "live" : "idle", `${live ? "live" : "idle"} · updated ${clock}${note}`);
   }
 
   const poll = {
@@ -450,7 +442,9 @@
       } catch (err) {
         const unauthorized = err instanceof HttpError && err.status === 401;
         setStatus("offline", unauthorized ? "unauthorized: open the page as /?token=TOKEN"
-          : `cannot reach the dashboard server (${err.message})`);
+          : err instanceof NetworkError ? `cannot reach the dashboard server (${err.message})`
+            : err instanceof HttpError ? `the dashboard server answered an error (${err.message})`
+              : `the page failed to update (${err.message})`);
       } finally {
         this.busy = false;
         const soon = this.again;

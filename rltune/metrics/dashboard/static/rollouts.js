@@ -21,25 +21,36 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
     };
   }
 
+  /** Any value of a row as text: a string as it is, anything else (a number, an object
+      where text was expected) as JSON, nothing as "". */
+  const asText = (value) => (value === null || value === undefined ? ""
+    : typeof value === "string" ? value : JSON.stringify(value));
+
+  /** A chat message's role and content; anything else in a list of messages is shown as
+      its JSON under the role "?". */
+  const message = (m) => (m && typeof m === "object" && !Array.isArray(m)
+    ? { role: asText(m.role) || "?", content: m.content } : { role: "?", content: asText(m) });
+
   function promptText(prompt) {
-    if (Array.isArray(prompt)) return prompt.map((m) => `${m.role}: ${contentText(m.content)}`).join("\n");
-    return prompt === null || prompt === undefined ? "" : String(prompt);
+    if (Array.isArray(prompt)) return prompt.map(message).map((m) => `${m.role}: ${contentText(m.content)}`).join("\n");
+    return asText(prompt);
   }
 
   /** A message's content as text: a list of parts (vision-language prompts) as its text
       parts, an image part as "[image]" (the sample's `images` show it). */
   function contentText(content) {
-    if (!Array.isArray(content)) return content === null || content === undefined ? "" : String(content);
+    if (!Array.isArray(content)) return asText(content);
     return content.map((part) => (part && part.type === "text" ? String(part.text ?? "")
       : part && String(part.type || "").startsWith("image") ? "[image]" : JSON.stringify(part))).join("");
   }
 
   function searchText(sample) {
     if (sample._search === undefined) {
-      const turns = Array.isArray(sample.turns) ? sample.turns.map((t) => t.content).join("\n") : "";
+      const turns = Array.isArray(sample.turns)
+        ? sample.turns.map((t) => contentText(message(t).content)).join("\n") : "";
       const images = Array.isArray(sample.images) ? sample.images.map((image) => image && image.source).join("\n") : "";
       sample._search = [promptText(sample.prompt), sample.completion, sample.reward_error, turns, sample.prompt_id, images]
-        .filter((part) => part).join("\n").toLowerCase();
+        .map(asText).filter((part) => part).join("\n").toLowerCase();
     }
     return sample._search;
   }
@@ -72,7 +83,7 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
     const all = state.selected.flatMap((id) => (state.runs.get(id) ? state.runs.get(id).samples : []));
     const shown = all.filter((sample) => matches(sample, filters)).sort(compareSamples);
     const page = shown.slice(0, state.table.shown);
-    document.getElementById("sample-rows").replaceChildren(...page.map(sampleRow));
+    document.getElementById("sample-rows").replaceChildren(...page.map(safeRow));
     const empty = document.getElementById("sample-empty");
     empty.hidden = page.length > 0;
     empty.textContent = all.length ? "No rollout matches these filters." : "No rollouts yet.";
@@ -88,6 +99,19 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
     state.pendingSamples = 0;
   }
 
+  /** A row of the table; a row the page cannot draw is shown as such, with why, and the
+      other rows are drawn as usual. */
+  function safeRow(sample) {
+    try {
+      return sampleRow(sample);
+    } catch (err) {
+      return el("tr", { class: "bad-row", "data-run": sample._run, "data-step": asText(sample.step) },
+        el("td", { "data-col": "run", text: visible(sample._run) }),
+        el("td", { "data-col": "step", class: "num", text: asText(sample.step) }),
+        el("td", { colspan: "7", text: `unreadable row of samples.jsonl (${err.message})` }));
+    }
+  }
+
   function sampleRow(sample) {
     const key = `${sample._run}:${sample._seq}`;
     const reward = typeof sample.reward === "number" ? sample.reward : null;
@@ -95,7 +119,7 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
       "data-run": sample._run, "data-step": String(sample.step), "data-reward": reward === null ? "" : String(reward),
       class: sample.reward_error ? "has-error" : "",
     });
-    const chip = el("span", { class: "run-chip" }, el("span", { class: "swatch" }), el("span", { text: sample._run }));
+    const chip = el("span", { class: "run-chip" }, el("span", { class: "swatch" }), el("span", { text: visible(sample._run) }));
     chip.firstChild.style.background = state.colours.get(sample._run) || "";
     row.append(
       el("td", { "data-col": "run" }, chip),
@@ -106,15 +130,15 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
       el("td", { "data-col": "rewards" }, breakdown(sample.rewards)),
       el("td", { "data-col": "error" }, sample.reward_error
         ? el("span", { class: "error-text" }, textBlock(sample.reward_error, `${key}:e`, 120)) : ""),
-      el("td", { "data-col": "finish", text: sample.finish_reason || "" }),
-      el("td", { "data-col": "length", class: "num", text: sample.length === undefined ? "" : String(sample.length) }),
+      el("td", { "data-col": "finish", text: visible(asText(sample.finish_reason)) }),
+      el("td", { "data-col": "length", class: "num", text: asText(sample.length) }),
     );
     return row;
   }
 
   /** Text cut at `limit` characters with a toggle to show all; the state survives redraws. */
   function textBlock(text, key, limit = TRUNCATE_AT) {
-    const full = visible(text === null || text === undefined ? "" : text);
+    const full = visible(asText(text));
     const span = el("span", { class: "text" });
     if (full.length <= limit) {
       span.textContent = full;
@@ -140,9 +164,9 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
   function promptCell(prompt, key) {
     if (!Array.isArray(prompt)) return textBlock(prompt, key);
     const box = el("div");
-    prompt.forEach((message, i) => {
+    prompt.map(message).forEach((m, i) => {
       box.append(el("div", { class: "msg" },
-        el("span", { class: "role", text: message.role || "?" }), textBlock(contentText(message.content), `${key}:${i}`, 160)));
+        el("span", { class: "role", text: visible(m.role) }), textBlock(contentText(m.content), `${key}:${i}`, 160)));
     });
     return box;
   }
@@ -173,12 +197,14 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
     if (!Array.isArray(sample.turns) || !sample.turns.length) return textBlock(sample.completion, `${key}:c`);
     const box = el("div", { class: "turns" });
     sample.turns.forEach((turn, i) => {
-      const masked = turn.trained === false;
+      const shaped = turn && typeof turn === "object" && !Array.isArray(turn);
+      const masked = shaped && turn.trained === false;
       box.append(el("div", { class: masked ? "turn masked" : "turn", "data-trained": masked ? "false" : "true" },
-        el("span", { class: "role", text: turn.role || "?" }),
+        el("span", { class: "role", text: visible(message(turn).role) }),
+        shaped ? null : el("span", { class: "badge", text: "not a turn" }),
         masked ? el("span", { class: "badge masked", text: "masked" }) : null,
-        typeof turn.tokens === "number" ? el("span", { class: "badge", text: `${turn.tokens} tok` }) : null,
-        el("div", {}, textBlock(turn.content, `${key}:t${i}`, 160))));
+        shaped && typeof turn.tokens === "number" ? el("span", { class: "badge", text: `${turn.tokens} tok` }) : null,
+        el("div", {}, textBlock(contentText(message(turn).content), `${key}:t${i}`, 160))));
     });
     if (typeof sample.trained_tokens === "number" || typeof sample.masked_tokens === "number") {
       box.append(el("div", { class: "turn-summary",
@@ -197,9 +223,15 @@ window.rltuneRollouts = ({ state, el, visible, fmtNum, PAGE_ROWS, TRUNCATE_AT, r
 
   function breakdown(rewards) {
     const box = el("div", { class: "fns" });
-    for (const [name, value] of Object.entries(rewards || {})) {
-      box.append(el("span", { text: name, title: name }),
-        value === null ? el("span", { class: "none", text: "none" }) : el("span", { text: fmtNum(value) }));
+    if (rewards === null || rewards === undefined) return box;
+    if (typeof rewards !== "object" || Array.isArray(rewards)) {
+      box.append(el("span", { class: "none", text: `not a table of rewards: ${visible(asText(rewards))}` }));
+      return box;
+    }
+    for (const [name, value] of Object.entries(rewards)) {
+      box.append(el("span", { text: visible(name), title: visible(name) }),
+        value === null ? el("span", { class: "none", text: "none" })
+          : el("span", { text: typeof value === "number" ? fmtNum(value) : visible(asText(value)) }));
     }
     return box;
   }
