@@ -13,7 +13,16 @@ from pathlib import Path
 from rltune.checkpoint.model import FULL, model_from_state
 from rltune.checkpoint.sharded import FORMAT as SHARDED
 from rltune.checkpoint.sharded import read_full
-from rltune.checkpoint.store import CheckpointError, latest_checkpoint, load_checkpoint
+from rltune.checkpoint.meaning import as_recorded, meaning_changes, recorded_config
+from rltune.checkpoint.store import (
+    CheckpointError,
+    CheckpointRemoved,
+    complete_checkpoints,
+    held_while_read,
+    is_complete,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from rltune.config import load_config
 from rltune.models.load import held_transformers_warnings, load_model, load_tokenizer, resolve_model
 from rltune.models.lora import apply_lora, is_lora, merged_copy
@@ -28,6 +37,11 @@ STAGING_PREFIX = ".rltune-export-"
 """Start of the name of the temporary directory an export is written in, beside the output
 (``.rltune-export-OUT.XXXXXXXX``): one of its own, made by ``mkdtemp``, so no name the user
 owns is ever written, moved or removed; one left by a killed export may be deleted."""
+
+
+READ_ATTEMPTS = 5
+"""How often an export without ``--checkpoint`` reads the newest checkpoint again when the
+training run writing them pruned the one it was reading."""
 
 
 class ExportError(ValueError):
@@ -194,12 +208,16 @@ def export_run(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None) 
     set), loads ``checkpoint`` or else the run's newest complete one, and writes it with
     the base model's tokenizer (merged, for LoRA). A policy run exports the policy (a
     PPO run's critic is not exported). ``out_dir`` must not exist or be empty, and must lie
-    outside the run's checkpoints; it is checked before anything is loaded. Returns the
-    checkpoint exported.
+    outside the run's checkpoints; it is checked before anything is loaded. A checkpoint
+    of another run is refused (:func:`check_same_run`). The run may be training meanwhile:
+    a newest checkpoint it prunes while it is read is replaced by the newest again; a
+    ``checkpoint`` it prunes is an error saying so. Returns the checkpoint exported.
 
     Raises:
         ExportError: ``run_dir`` is not a run directory, or ``out_dir`` is in the way.
-        CheckpointError: no complete checkpoint, or one that does not fit the config.
+        CheckpointError: no complete checkpoint, one that does not fit the config, one
+            written by another run, or ``checkpoint`` removed while it was read
+            (:class:`~rltune.checkpoint.store.CheckpointRemoved`).
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not (run_dir / RUN_CONFIG).is_file():
@@ -209,20 +227,78 @@ def export_run(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None) 
     check_output(out_dir)
     cfg = load_config(run_dir / RUN_CONFIG)
     if checkpoint is None:
-        checkpoint = latest_checkpoint(run_dir / CHECKPOINTS)
-        if checkpoint is None:
-            raise CheckpointError(
-                f"run directory {run_dir} has no complete checkpoint under {run_dir / CHECKPOINTS}; "
-                f"a run writes one every `checkpoint.every` steps and at its end"
-            )
-    weights, model_meta = _checkpoint_weights(Path(checkpoint))
+        checkpoint, (weights, model_meta, meta) = _newest_weights(run_dir)
+    else:
+        checkpoint = Path(checkpoint)
+        weights, model_meta, meta = _checkpoint_weights(checkpoint)
+    check_same_run(cfg, run_dir, checkpoint, meta)
     model_dir = resolve_model(cfg.model.path)
     model = _run_model(cfg, model_dir)
     # A checkpoint that does not record its model format holds a full state_dict.
     model_from_state(model, weights, model_meta, where=str(checkpoint))
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     export_hf(model, tokenizer, out_dir, processor_from=Path(model_dir), replace=False)
-    return Path(checkpoint)
+    return checkpoint
+
+
+def _newest_weights(run_dir: Path) -> tuple[Path, tuple[dict, dict | None, dict]]:
+    """The run's newest complete checkpoint and what :func:`_checkpoint_weights` reads of
+    it. A training run may prune it while it is read (it keeps ``checkpoint.keep``): then
+    the newest one again, up to :data:`READ_ATTEMPTS` times. A corrupt one is an error that
+    names the next older complete checkpoint, to export with ``--checkpoint``."""
+    root = run_dir / CHECKPOINTS
+    for _ in range(READ_ATTEMPTS):
+        checkpoint = latest_checkpoint(root)
+        if checkpoint is None:
+            raise CheckpointError(
+                f"run directory {run_dir} has no complete checkpoint under {root}; "
+                f"a run writes one every `checkpoint.every` steps and at its end"
+            )
+        try:
+            return checkpoint, _checkpoint_weights(checkpoint)
+        except CheckpointRemoved:
+            continue
+        except CheckpointError as err:
+            if not is_complete(checkpoint):  # its marker went between the listing and the read: pruned
+                continue
+            ranked = complete_checkpoints(root)  # newest first
+            older = ranked[ranked.index(checkpoint) + 1:] if checkpoint in ranked else []
+            if not older:
+                raise
+            raise CheckpointError(f"{err}; the next older complete checkpoint is {older[0]}: export it with "
+                                  f"`--checkpoint {older[0]}`") from err
+    raise CheckpointError(
+        f"the newest checkpoint of {run_dir} was removed while it was read, {READ_ATTEMPTS} times: the run "
+        f"writing it saves and prunes (checkpoint.keep) faster than it can be read; export again, or name a "
+        f"checkpoint the run keeps with --checkpoint"
+    )
+
+
+def check_same_run(cfg, run_dir: Path, checkpoint: Path, meta: dict) -> None:
+    """Refuse a checkpoint from outside the run's own checkpoints that another run wrote:
+    its weights would go out with ``run_dir``'s config (``cfg``, which rebuilds the model)
+    and tokenizer. Another run is one whose config differs from ``cfg`` in what the run
+    means, by the rules a resume applies (:mod:`rltune.checkpoint.meaning`): the config the
+    checkpoint recorded, or for one written before records (by an earlier rltune) the
+    ``config.yaml`` of the run directory it lies in. A checkpoint with neither (copied out
+    of its run) is not compared. The run's own checkpoints are its by where they lie."""
+    if checkpoint.parent.resolve() == (run_dir / CHECKPOINTS).resolve():
+        return
+    owner = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+    old = recorded_config(meta.get("config"), f"export of {run_dir}", checkpoint)
+    whose = f"the config recorded in checkpoint {checkpoint}"
+    if old is None:
+        if owner is None or not (owner / RUN_CONFIG).is_file():
+            return
+        old, whose = load_config(owner / RUN_CONFIG), f"{owner / RUN_CONFIG}, the config of the run it lies in"
+    changes = meaning_changes(old, as_recorded(cfg))
+    if changes:
+        other = f"; export it with its own run: `rltune export {owner} OUT --checkpoint {checkpoint}`" if owner else ""
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written by another run than {run_dir}: {run_dir / RUN_CONFIG} differs "
+            f"from {whose} in what the run means ({'; '.join(changes)}), so its weights do not go with this "
+            f"run's config and tokenizer{other}"
+        )
 
 
 def _run_model(cfg, model_dir: str):
@@ -270,16 +346,18 @@ def _check_outside_run(out_dir: Path, run_dir: Path, checkpoint: Path | None) ->
         raise ExportError(f"output directory {out_dir} {what} the run directory {run_dir}; choose a new one")
 
 
-def _checkpoint_weights(checkpoint: Path) -> tuple[dict, dict | None]:
+def _checkpoint_weights(checkpoint: Path) -> tuple[dict, dict | None, dict]:
     """The model's tensors of a checkpoint and their format meta. A sharded checkpoint
     (a learner group's DCP shards) is read into full tensors here, in this one process,
     tensor by tensor from every rank's file (:func:`rltune.checkpoint.sharded.read_full`):
     the export holds the model once, as ``save_pretrained`` needs it anyway. Only the
-    ``model`` entry is read: a PPO checkpoint's ``critic_model`` is not the policy."""
-    tensors, meta = load_checkpoint(checkpoint)
-    model_meta = meta.get("model")
-    if isinstance(model_meta, dict) and model_meta.get("format") == SHARDED:
-        return read_full(checkpoint / model_meta["dir"]), {"format": FULL}
+    ``model`` entry is read: a PPO checkpoint's ``critic_model`` is not the policy.
+    Returns the weights, their format meta and the checkpoint's whole meta."""
+    with held_while_read(checkpoint):  # the shards too are read from a checkpoint the writer may prune
+        tensors, meta = load_checkpoint(checkpoint)
+        model_meta = meta.get("model")
+        if isinstance(model_meta, dict) and model_meta.get("format") == SHARDED:
+            return read_full(checkpoint / model_meta["dir"]), {"format": FULL}, meta
     if "model" not in tensors:
         raise CheckpointError(f"{checkpoint}: the checkpoint holds no model weights (no model.safetensors)")
-    return tensors["model"], model_meta
+    return tensors["model"], model_meta, meta

@@ -126,12 +126,20 @@ def frozen_fingerprint(model: torch.nn.Module) -> str:
 
 
 def _check_shapes(live: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Every saved tensor has its live tensor's shape (else the checkpoint is of another
+    model, or of other LoRA adapters) and dtype (else another ``model.dtype``)."""
     for key, saved in tensors.items():
-        if saved.shape != live[key].shape or saved.dtype != live[key].dtype:
+        if saved.shape != live[key].shape:
+            fix = ("`model.lora` (its rank) as in the run that saved it" if ".lora_" in key else
+                   "`model.path` to the model the run that saved it trained: this one is of another size")
             raise CheckpointError(
-                f"{where}: {key} is saved as {saved.dtype} {tuple(saved.shape)} but the model has "
-                f"{live[key].dtype} {tuple(live[key].shape)}; set `model.dtype` and `model.lora` "
-                f"as in the run that saved it"
+                f"{where}: {key} has shape {tuple(saved.shape)} in the checkpoint but {tuple(live[key].shape)} in "
+                f"the model built from the config; set {fix}"
+            )
+        if saved.dtype != live[key].dtype:
+            raise CheckpointError(
+                f"{where}: {key} is saved as {saved.dtype} but the model has {live[key].dtype}; set "
+                f"`model.dtype` as in the run that saved it"
             )
 
 

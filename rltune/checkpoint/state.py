@@ -79,6 +79,8 @@ def optimizer_from_state(
         raise CheckpointError(
             f"optimizer meta has {len(groups_meta)} param groups but the optimizer has {len(live_groups)}"
         )
+    for index, (saved, live) in enumerate(zip(groups_meta, live_groups)):
+        _check_group_types(saved, live, index)
     groups = [shaped_like(saved, live) for saved, live in zip(groups_meta, live_groups)]
     for key, tensor in tensors.items():
         parts = key.split(".", 2)
@@ -92,6 +94,35 @@ def optimizer_from_state(
         else:
             raise CheckpointError(f"optimizer tensor {key!r} names group {idx}, but there are {len(groups)}")
     opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _check_group_types(saved: Any, live: Mapping[str, Any], index: int) -> None:
+    """A saved param group's hyper-parameters are of the kind the live group's are (a
+    number where it has a number, true/false/null where it has a flag), so that a
+    checkpoint edited or written wrong fails here, not in the first optimizer step."""
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"optimizer meta param_groups[{index}] is {saved!r}, not an object")
+    for key, value in saved.items():
+        if key == "params" or key not in live:
+            continue
+        want = live[key]
+        if want is None or isinstance(want, bool):
+            fits = value is None or isinstance(value, bool)
+        elif isinstance(want, (int, float)):
+            fits = _is_number(value)
+        elif isinstance(want, (list, tuple)):
+            fits = isinstance(value, (list, tuple)) and len(value) == len(want) and all(
+                _is_number(v) for v, w in zip(value, want) if _is_number(w))
+        else:
+            continue
+        if not fits:
+            raise CheckpointError(
+                f"optimizer meta param_groups[{index}][{key!r}] is {value!r}, where the optimizer has {want!r}"
+            )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------- LR schedule

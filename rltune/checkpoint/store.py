@@ -27,18 +27,20 @@ Saving a step that already exists complete moves the old directory aside to
 ``.replaced-step-N-<random>`` until the new one is complete; if the process dies in
 between, ``latest_checkpoint`` returns the moved-aside copy and the next save puts it back.
 
-One writer per root at a time (the driver); readers may run concurrently with it.
+One writer per root at a time (the driver); readers may run concurrently with it. A
+reader that loses a race with pruning (the writer removes the checkpoint being read) gets
+:class:`CheckpointRemoved`, naming the newest complete checkpoint to read instead.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from rltune.checkpoint.files import check_json
+from rltune.checkpoint.files import fsync_dir as _fsync_dir
+from rltune.checkpoint.files import sha256 as _sha256
+from rltune.checkpoint.files import storable as _storable
 from rltune.models.safetensors_io import load_tensors
 
 MARKER = "COMPLETE"
@@ -58,11 +64,15 @@ _TMP_DIR = re.compile(r"\.tmp-step-\d+-[0-9a-f]+")
 _REPLACED_DIR = re.compile(r"\.replaced-step-(\d+)-[0-9a-f]+")
 _SKIPPED_PREFIX = ".skipped-"
 _STEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_HASH_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
     """A checkpoint on disk is incomplete or corrupt, or does not fit what loads it."""
+
+
+class CheckpointRemoved(CheckpointError):
+    """The checkpoint was removed (pruned, or replaced by a new save of its step) by the
+    process writing checkpoints while it was being read: not a corrupt one."""
 
 
 # --------------------------------------------------------------------------- public API
@@ -134,7 +144,7 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     if not root.is_dir():
         raise CheckpointError(f"checkpoint root {root} exists but is not a directory")
-    ranked = _complete_newest_first(root)
+    ranked = complete_checkpoints(root)
     return ranked[0] if ranked else None
 
 
@@ -145,33 +155,73 @@ def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dic
         ``(tensors, meta)``: file stem -> flat CPU state dict, and the saved ``meta``.
 
     Raises:
+        CheckpointRemoved: the writer removed the checkpoint while it was read.
         CheckpointError: the directory is missing, has no ``COMPLETE`` marker (an
             interrupted save), or a listed file is missing or fails its checksum.
     """
     path = Path(path)
-    files = _read_marker(path)
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: {name} is listed in {MARKER} but missing")
-        actual = _sha256(file)
-        if actual != expected:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} has sha256 {actual} but {MARKER} records {expected}; "
-                "the file is corrupt or was changed after the save"
-            )
-    tensors = {
-        name[: -len(TENSOR_SUFFIX)]: load_tensors(path / name, error=CheckpointError)
-        for name in files
-        if name.endswith(TENSOR_SUFFIX) and "/" not in name  # a directory's files are its writer's to read
-    }
-    try:
-        meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-    except ValueError as err:  # its checksum matched: written so, or edited with the marker
-        raise CheckpointError(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from err
+    with held_while_read(path):
+        _, files = _read_marker(path)
+        for name, expected in files.items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint {path}: {name} is listed in {MARKER} but missing")
+            actual = _sha256(file)
+            if actual != expected:
+                raise CheckpointError(
+                    f"checkpoint {path}: {name} has sha256 {actual} but {MARKER} records {expected}; "
+                    "the file is corrupt or was changed after the save"
+                )
+        tensors = {
+            name[: -len(TENSOR_SUFFIX)]: load_tensors(path / name, error=CheckpointError)
+            for name in files
+            if name.endswith(TENSOR_SUFFIX) and "/" not in name  # a directory's files are its writer's to read
+        }
+        try:
+            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+        except ValueError as err:  # its checksum matched: written so, or edited with the marker
+            raise CheckpointError(f"checkpoint {path}: {META_FILE} is not valid JSON ({err})") from err
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path}: {META_FILE} holds a {type(meta).__name__}, not an object")
     return tensors, meta
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a complete checkpoint's ``COMPLETE`` marker records (that of its
+    ``step-N`` name, when it has one)."""
+    return _read_marker(Path(path))[0]
+
+
+@contextmanager
+def held_while_read(path: Path) -> Iterator[None]:
+    """Read checkpoint ``path`` in the body; raise :class:`CheckpointRemoved` when its
+    marker vanished or changed meanwhile (the writer pruned it, or saved its step again):
+    whatever the body read may then be partial or a mix. Other errors of the body pass
+    through, an ``OSError`` as a CheckpointError naming the file."""
+    before = _marker_bytes(path)
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointError) as err:
+        if before is not None and _marker_bytes(path) != before:
+            raise CheckpointRemoved(_removed_message(path)) from err
+        if isinstance(err, OSError):
+            what = err.filename or path
+            raise CheckpointError(f"checkpoint {path}: cannot read {what} ({err.strerror or err})") from err
+        raise
+    if before is not None and _marker_bytes(path) != before:
+        raise CheckpointRemoved(_removed_message(path))
+
+
+def _removed_message(path: Path) -> str:
+    try:
+        newest = latest_checkpoint(path.parent)
+    except (OSError, CheckpointError):
+        newest = None
+    instead = f"; the newest complete checkpoint there now is {newest}" if newest is not None else ""
+    return (
+        f"checkpoint {path} was removed or rewritten while it was read, by the run saving checkpoints "
+        f"beside it (a run keeps its newest `checkpoint.keep` and deletes older ones as it saves){instead}"
+    )
 
 
 @dataclass(frozen=True)
@@ -212,9 +262,11 @@ def load_newest(root: Path) -> Loaded:
         for path in incomplete_checkpoints(root)
     ]
     corrupt: list[tuple[Path, str]] = []
-    for path in _complete_newest_first(root):
+    for path in complete_checkpoints(root):
         try:
             tensors, meta = load_checkpoint(path)
+        except CheckpointRemoved:
+            continue  # gone: another process prunes this root
         except CheckpointError as err:
             corrupt.append((path, str(err).removeprefix(f"checkpoint {path}: ")))
             continue
@@ -234,7 +286,7 @@ def incomplete_checkpoints(root: Path) -> list[Path]:
     if not Path(root).is_dir():
         return []
     found = [(int(m[1]), entry) for entry in Path(root).iterdir()
-             if (m := _STEP_DIR.fullmatch(entry.name)) and entry.is_dir() and not _is_complete(entry)]
+             if (m := _STEP_DIR.fullmatch(entry.name)) and entry.is_dir() and not is_complete(entry)]
     return [entry for _, entry in sorted(found, reverse=True)]
 
 
@@ -255,39 +307,19 @@ def set_aside(path: Path, reason: str) -> Path:
     return target
 
 
-def _complete_newest_first(root: Path) -> list[Path]:
-    """Complete checkpoints, in the order :func:`latest_checkpoint` prefers them."""
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, in the order :func:`latest_checkpoint` prefers
+    them (newest first); checksums are not verified."""
+    root = Path(root)
     if not root.is_dir():
         return []
     ranked = []
     for entry in root.iterdir():
         match = _STEP_DIR.fullmatch(entry.name) or _REPLACED_DIR.fullmatch(entry.name)
-        if match and _is_complete(entry):
+        if match and is_complete(entry):
             # a complete step-N wins over a moved-aside copy of the same step
             ranked.append(((int(match[1]), entry.name.startswith("step-")), entry))
     return [entry for _, entry in sorted(ranked, key=lambda item: item[0], reverse=True)]
-
-
-def check_json(value: Any, *, where: str) -> Any:
-    """Return ``value`` unchanged if ``json.dumps`` can write it and JSON keeps its meaning.
-
-    Allowed: None, bool, int, float (inf/nan included), str, list/tuple of those, dicts
-    with str or int keys. Raises TypeError naming the offending entry (``where`` is the
-    path printed for the top level).
-    """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_json(item, where=f"{where}[{i}]")
-        return value
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
-                raise TypeError(f"{where} has key {key!r} of type {type(key).__name__}; JSON needs str or int keys")
-            check_json(item, where=f"{where}[{key!r}]")
-        return value
-    raise TypeError(f"{where} is a {type(value).__name__}, which JSON cannot hold; store tensors in `tensors`")
 
 
 # --------------------------------------------------------------------------- writing
@@ -328,29 +360,6 @@ def _write_files(tmp: Path, tensors: Mapping, meta: Mapping) -> dict[str, str]:
     return digests
 
 
-def _storable(state: Mapping[str, torch.Tensor], *, stem: str) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, one storage per key: what ``safetensors.save_file`` accepts.
-
-    Tied weights (two keys, one storage) are refused by safetensors; the second key
-    gets its own copy, so both keys are saved and a strict ``load_state_dict`` finds them.
-    """
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise TypeError(f"tensors[{stem!r}] has key {key!r}; safetensors needs str keys")
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"tensors[{stem!r}][{key!r}] is a {type(value).__name__}, not a torch.Tensor")
-        tensor = value.detach().to("cpu").contiguous()
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr in seen:
-            tensor = tensor.clone()
-        elif ptr != 0:  # empty tensors have no storage to share
-            seen.add(ptr)
-        out[key] = tensor
-    return out
-
-
 def _install(root: Path, tmp: Path, step: int) -> Path:
     """Rename the finished temp dir to ``step-N``, moving a complete old one aside first."""
     final = root / f"step-{step}"
@@ -386,7 +395,7 @@ def _recover(root: Path) -> None:
         match = _REPLACED_DIR.fullmatch(entry.name)
         if match and entry.is_dir():
             target = root / f"step-{match[1]}"
-            if _is_complete(entry) and not _is_complete(target):
+            if is_complete(entry) and not is_complete(target):
                 if target.exists():
                     set_aside(target, "no-marker")
                 os.replace(entry, target)
@@ -404,7 +413,7 @@ def _prune(root: Path, *, keep: int, current: int) -> None:
     complete = sorted(
         (int(m[1]), entry)
         for entry in root.iterdir()
-        if (m := _STEP_DIR.fullmatch(entry.name)) and _is_complete(entry)
+        if (m := _STEP_DIR.fullmatch(entry.name)) and is_complete(entry)
     )
     kept = {step for step, _ in complete[-keep:]} | {current}
     for step, entry in complete:
@@ -424,19 +433,28 @@ def _remove(path: Path) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def _is_complete(path: Path) -> bool:
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a directory with a ``COMPLETE`` marker (not verified)."""
     return path.is_dir() and (path / MARKER).is_file()
 
 
-def _read_marker(path: Path) -> dict[str, str]:
-    """Parse and check ``path/COMPLETE``; return file name -> sha256."""
+def _marker_bytes(path: Path) -> bytes | None:
+    """The bytes of ``path/COMPLETE``; None when there is none (or it cannot be read)."""
+    try:
+        return (path / MARKER).read_bytes()
+    except OSError:
+        return None
+
+
+def _read_marker(path: Path) -> tuple[int, dict[str, str]]:
+    """Parse and check ``path/COMPLETE``; return its step and file name -> sha256."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-    marker = path / MARKER
-    if not marker.is_file():
+    raw = _marker_bytes(path)
+    if raw is None:
         raise CheckpointError(_not_a_checkpoint(path))
     try:
-        record = json.loads(marker.read_text(encoding="utf-8"))
+        record = json.loads(raw.decode("utf-8"))
     except ValueError as err:  # not JSON, or not UTF-8
         raise CheckpointError(f"checkpoint {path}: {MARKER} is not valid JSON ({err})") from err
     if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION or not isinstance(record.get("files"), dict):
@@ -451,12 +469,13 @@ def _read_marker(path: Path) -> dict[str, str]:
             raise CheckpointError(f"checkpoint {path}: {MARKER} lists a bad entry {name!r}: {digest!r}")
     if META_FILE not in files:
         raise CheckpointError(f"checkpoint {path}: {MARKER} does not list {META_FILE}")
-    match = _STEP_DIR.fullmatch(path.name)
-    if match and int(match[1]) != record.get("step"):
-        raise CheckpointError(
-            f"checkpoint {path}: directory says step {match[1]} but {MARKER} says {record.get('step')!r}"
-        )
-    return files
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} records step {step!r}, not a whole number >= 0")
+    match = _STEP_DIR.fullmatch(path.name) or _REPLACED_DIR.fullmatch(path.name)
+    if match and int(match[1]) != step:
+        raise CheckpointError(f"checkpoint {path}: directory says step {match[1]} but {MARKER} says {step}")
+    return step, files
 
 
 def _not_a_checkpoint(path: Path) -> str:
@@ -471,25 +490,3 @@ def _not_a_checkpoint(path: Path) -> str:
         if root.is_dir() and (newest := latest_checkpoint(root)) is not None:
             return f"checkpoint {path} is {what}, not one checkpoint; give one of its step directories, e.g. the newest, {newest}"
     return f"checkpoint {path} is not a checkpoint: it has no {MARKER} marker (a step-N directory of a run's checkpoints)"
-
-
-def _sha256(path: Path, *, fsync: bool = False) -> str:
-    digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if fsync:
-            os.fsync(fd)
-        while chunk := os.read(fd, _HASH_CHUNK):
-            digest.update(chunk)
-    finally:
-        os.close(fd)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new file inside ``path`` durable (POSIX)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

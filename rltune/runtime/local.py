@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import torch
 
 from rltune.algos import Algorithm
 from rltune.checkpoint.export import export_hf
+from rltune.checkpoint.model import frozen_fingerprint
 from rltune.config import Config, ConfigError
 from rltune.data.records import TrainBatch
 from rltune.learner.learner import LocalLearner
@@ -105,6 +107,15 @@ class LocalReference:
     model: torch.nn.Module
     options: dict
     adapters_off: bool = False
+
+    def fingerprint(self) -> str | None:
+        if self.adapters_off:  # the policy's base: a LoRA checkpoint fingerprints it itself
+            return None
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:  # frozen weights: taken once
+        return frozen_fingerprint(self.model)
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if not self.adapters_off:

@@ -87,6 +87,12 @@ class Reference(Protocol):
         """``[B, C]`` log-probs of ``batch``'s completions."""
         ...
 
+    def fingerprint(self) -> str | None:
+        """:func:`~rltune.checkpoint.model.frozen_fingerprint` of its weights, which a
+        checkpoint records so that a resume onto other weights at ``model.path`` is refused;
+        None when the policy's own checkpoint covers them (LoRA's base with adapters off)."""
+        ...
+
 
 class Critic(Checkpointed, Protocol):
     """PPO's value model and its optimizer."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from rltune.algos import ALGORITHMS, Algorithm
+from rltune.checkpoint.meaning import is_preference, plays_episodes
 from rltune.config import Config, ConfigError
 from rltune.data.chat import encode_prompt
 from rltune.data.records import TrainBatch
@@ -30,7 +31,7 @@ from rltune.learner.distributed import to_device
 from rltune.learner.learner import LocalLearner, predict
 from rltune.learner.objectives import Objective, build_objective, logprobs_only, value_objective
 from rltune.learner.parallel import NoParallelism
-from rltune.learner.preference import PREFERENCE_METHODS, preference_method
+from rltune.learner.preference import preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
 from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import (
@@ -83,17 +84,6 @@ class Roles(Protocol):
     def streams(self, generators: dict[str, torch.Generator]) -> Streams:
         """The RNG streams a checkpoint carries: ``generators`` and those of remote roles."""
         ...
-
-
-def is_preference(cfg: Config) -> bool:
-    """An offline run on preference pairs (DPO, SimPO, reward model)."""
-    return cfg.algo.name in PREFERENCE_METHODS
-
-
-def plays_episodes(algorithm: Algorithm, cfg: Config) -> bool:
-    """Whether the run's generator plays an environment's episodes: an online algorithm
-    does, and SFT when it evaluates on ``data.eval``; a preference method never generates."""
-    return algorithm.online or (not is_preference(cfg) and cfg.data.eval is not None)
 
 
 def seed_everything(seed: int) -> None:

@@ -26,11 +26,13 @@ from rltune.checkpoint.sharded import load_sharded, save_sharded
 from rltune.checkpoint.store import (
     CheckpointError,
     Skipped,
+    checkpoint_step,
     load_checkpoint,
     load_newest,
     save_checkpoint,
     set_aside,
 )
+from rltune.runtime.resumable import REFERENCE, check_resumable
 from rltune.runtime.rundir import check_recorded_meaning, checkpoints_of
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ def _save(run: "Run") -> Path:
         meta.update(critic_meta)
     if roles.kl is not None:
         meta["kl_coef"] = roles.kl.coef
+    if roles.reference is not None and (fingerprint := roles.reference.fingerprint()) is not None:
+        meta[REFERENCE] = fingerprint  # a resume refuses other weights at model.path
     return save_checkpoint(checkpoint_root(run), progress.step, tensors=tensors, meta=meta,
                            keep=run.cfg.checkpoint.keep, shards=shards)
 
@@ -138,6 +142,7 @@ class Restored:
     path: Path | None = None
     step: int = 0
     skipped: tuple[Skipped, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return self.path is not None
@@ -150,7 +155,7 @@ class Restored:
                for s in self.skipped]
         if self.path is not None:
             out.append(f"resuming from {self.path} (step {self.step} of {total_steps})")
-        return out
+        return [*out, *self.notes]
 
 
 def restore(run: "Run") -> Restored:
@@ -173,6 +178,8 @@ def restore(run: "Run") -> Restored:
         skipped = ()
     check_recorded_meaning(run.cfg, meta.get("config"), f"checkpoint.resume={resume}", path)
     try:
+        # before anything is loaded, and before the loop cuts the metrics back to the step
+        notes = check_resumable(run, tensors, meta, path, marker_step=checkpoint_step(path))
         _apply(run, tensors, meta, path)
     except KeyError as err:  # the files verified, so they were written without it (or edited with their marker)
         raise CheckpointError(
@@ -181,7 +188,7 @@ def restore(run: "Run") -> Restored:
         ) from None
     if resume != "auto":
         skipped = _set_aside_newer(checkpoint_root(run), path, run.step)
-    return Restored(path, run.step, skipped)
+    return Restored(path, run.step, skipped, notes)
 
 
 def _set_aside_newer(root: Path, path: Path, step: int) -> tuple[Skipped, ...]:
@@ -205,7 +212,13 @@ def _apply(run: "Run", tensors: dict, meta: dict, path: Path) -> None:
         roles.critic.load_checkpoint_state(tensors, meta, path, "critic_")
     if roles.kl is not None:
         roles.kl.coef = float(meta["kl_coef"])
-    rng_from_state(tensors["rng"], meta["rng"], progress.streams.generators)
+    try:
+        rng_from_state(tensors["rng"], meta["rng"], progress.streams.generators)
+    except CheckpointError as err:  # its message says "the checkpoint": name it
+        raise CheckpointError(f"{path}: {err}") from None
+    except (TypeError, ValueError) as err:  # a state random/numpy/torch refuse
+        raise CheckpointError(f"checkpoint {path}: its RNG state cannot be restored ({err}); it was edited "
+                              "or written by a faulty save; resume from another one (checkpoint.resume=PATH)") from None
     progress.streams.restored()  # streams that live in other processes take their states back
     try:
         run.data.sampler.load_state_dict(meta["sampler"])

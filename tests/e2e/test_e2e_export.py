@@ -1,11 +1,15 @@
 """`rltune export RUN_DIR OUT_DIR [--checkpoint PATH]`: the exported directory loads with
 plain transformers and computes what the checkpoint's model computes; LoRA runs come out
 merged; a missing run, a run without checkpoints, a checkpoint path that is not one, a
-busy output directory, an output under a file or inside the run's checkpoints, and weights
-that do not fit the run's config are one message and exit code 2."""
+busy output directory, an output under a file or inside the run's checkpoints, weights
+that do not fit the run's config, a checkpoint of another run, and a checkpoint the
+training run pruned while it was read are one message and exit code 2 (a newest
+checkpoint pruned meanwhile gives way to the newest again)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -15,6 +19,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+import rltune.checkpoint.store as store
 from rltune.checkpoint import load_checkpoint, save_checkpoint
 from rltune.checkpoint.model import model_to_state
 from rltune.cli import main
@@ -229,3 +234,106 @@ def test_an_moe_run_with_a_routing_bias_exports_what_its_final_export_holds(tmp_
     assert any(bool(b.abs().sum() > 0) for b in trained)  # one step moved it
     loaded = [g.routing_bias for g in find_routers(load_model(str(out)))]
     assert all(torch.equal(a, b) for a, b in zip(loaded, trained, strict=True))
+
+
+# --------------------------------------------------------------------------- another run, a running run
+
+
+def _flat(message: str) -> str:
+    """``message`` on one line (the console wraps one longer than its width)."""
+    return " ".join(message.split())
+
+
+def _edit_state(checkpoint: Path, edit) -> None:
+    """Edit ``state.json`` and record its new checksum in the marker: the edit verifies."""
+    meta = json.loads((checkpoint / "state.json").read_text())
+    edit(meta)
+    data = json.dumps(meta, indent=1).encode()
+    (checkpoint / "state.json").write_bytes(data)
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    marker["files"]["state.json"] = hashlib.sha256(data).hexdigest()
+    (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+
+
+def _other_run(sft_run, where: Path, *, recorded: bool = True) -> Path:
+    """A copy of the run as another run with another seed: in its config.yaml and in the
+    config its checkpoints recorded (or, ``recorded=False``, with no record: an earlier
+    rltune's checkpoint)."""
+    shutil.copytree(sft_run.run_dir, where)
+    data = yaml.safe_load((where / "config.yaml").read_text())
+    data["train"]["seed"] = 5
+    (where / "config.yaml").write_text(yaml.safe_dump(data))
+    for checkpoint in (where / "checkpoints").iterdir():
+        _edit_state(checkpoint, (lambda m: m["config"]["train"].update(seed=5)) if recorded else
+                    (lambda m: m.pop("config")))
+    return where
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["its record", "its run's config.yaml"])
+def test_a_checkpoint_of_another_run_is_refused_naming_both(capsys, sft_run, tmp_path, recorded):
+    other = _other_run(sft_run, tmp_path / "other", recorded=recorded)
+    checkpoint = other / "checkpoints" / "step-2"
+    err = _flat(fails(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(checkpoint)]))
+    whose = (f"the config recorded in checkpoint {checkpoint}" if recorded else
+             f"{other / 'config.yaml'}, the config of the run it lies in")
+    assert (f"checkpoint {checkpoint} was written by another run than {sft_run.run_dir}: "
+            f"{sft_run.run_dir / 'config.yaml'} differs from {whose} in what the run means (train.seed: 5 -> 0)") in err
+    assert f"export it with its own run: `rltune export {other} OUT --checkpoint {checkpoint}`" in err
+    assert not (tmp_path / "out").exists()
+    # the control: exported with its own run, it goes out
+    _succeeds(capsys, ["export", str(other), str(tmp_path / "out"), "--checkpoint", str(checkpoint)])
+
+
+def test_a_copy_of_the_run_s_checkpoint_elsewhere_is_exported(capsys, sft_run, tmp_path):
+    """The same run's checkpoint, copied out of it: its record says the same run."""
+    copy = Path(shutil.copytree(sft_run.run_dir / "checkpoints" / "step-1", tmp_path / "saved" / "step-1"))
+    _succeeds(capsys, ["export", str(sft_run.run_dir), str(tmp_path / "out"), "--checkpoint", str(copy)])
+    assert torch.equal(_logits(_exported(tmp_path / "out")), _logits(_checkpoint_model(copy)))
+
+
+def _prune_when_hashed(monkeypatch, checkpoint: Path) -> None:
+    """The training run prunes ``checkpoint`` just after the export hashed its first file
+    (as ``store._remove`` does: the marker first, then the directory)."""
+    original = store._sha256
+
+    def sha(path, **kwargs):
+        out = original(path, **kwargs)
+        if path.parent == checkpoint and checkpoint.exists():
+            (checkpoint / "COMPLETE").unlink()
+            shutil.rmtree(checkpoint)
+        return out
+
+    monkeypatch.setattr(store, "_sha256", sha)
+
+
+def test_the_newest_checkpoint_pruned_while_it_is_read_gives_way_to_the_newest_again(capsys, sft_run, tmp_path,
+                                                                                    monkeypatch):
+    run_dir = Path(shutil.copytree(sft_run.run_dir, tmp_path / "run"))
+    _prune_when_hashed(monkeypatch, run_dir / "checkpoints" / "step-2")
+    err = _succeeds(capsys, ["export", str(run_dir), str(tmp_path / "out")])
+    assert f"exported {run_dir / 'checkpoints' / 'step-1'} to" in err
+    step_1 = sft_run.run_dir / "checkpoints" / "step-1"
+    assert torch.equal(_logits(_exported(tmp_path / "out")), _logits(_checkpoint_model(step_1)))
+
+
+def test_a_named_checkpoint_pruned_while_it_is_read_says_so(capsys, sft_run, tmp_path, monkeypatch):
+    run_dir = Path(shutil.copytree(sft_run.run_dir, tmp_path / "run"))
+    checkpoint = run_dir / "checkpoints" / "step-2"
+    _prune_when_hashed(monkeypatch, checkpoint)
+    err = _flat(fails(capsys, ["export", str(run_dir), str(tmp_path / "out"), "--checkpoint", str(checkpoint)]))
+    assert (f"checkpoint {checkpoint} was removed or rewritten while it was read, by the run saving checkpoints "
+            f"beside it") in err
+    assert f"the newest complete checkpoint there now is {run_dir / 'checkpoints' / 'step-1'}" in err
+    assert "corrupt" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_newest_checkpoint_names_the_older_one_to_export(capsys, sft_run, tmp_path):
+    run_dir = Path(shutil.copytree(sft_run.run_dir, tmp_path / "run"))
+    weights = run_dir / "checkpoints" / "step-2" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    err = _flat(fails(capsys, ["export", str(run_dir), str(tmp_path / "out")]))
+    step_1 = run_dir / "checkpoints" / "step-1"
+    assert "model.safetensors has sha256" in err
+    assert f"the next older complete checkpoint is {step_1}: export it with `--checkpoint {step_1}`" in err

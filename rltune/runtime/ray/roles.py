@@ -17,6 +17,7 @@ import torch
 from ray.exceptions import RayActorError
 
 from rltune.algos import Algorithm
+from rltune.checkpoint.model import frozen_fingerprint
 from rltune.config import Config
 from rltune.data.records import TrainBatch
 from rltune.metrics.types import MetricLike
@@ -71,6 +72,9 @@ class ReferenceWorker:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return model_logprobs(self.model, batch, self.options)
 
+    def fingerprint(self) -> str:
+        return frozen_fingerprint(self.model)
+
 
 class CriticWorker:
     """PPO's critic: the value model and its optimizer, built as the local runtime does."""
@@ -108,6 +112,10 @@ class RayReference:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.pool.call({0: ("logprobs", (batch,))})[0]
+
+    def fingerprint(self) -> str:
+        """Of the weights the actor loaded from ``model.path`` (its own copy, LoRA or not)."""
+        return self.pool.call({0: ("fingerprint", ())})[0]
 
     def close(self) -> None:
         self.pool.close()

@@ -138,8 +138,8 @@ def test_other_base_weights_under_the_adapters_are_an_error() -> None:
 
 def test_another_rank_is_an_error_naming_the_shapes() -> None:
     tensors, meta = model_to_state(_lora(r=4))
-    with pytest.raises(CheckpointError, match=r"lora_A.default.weight is saved as torch.float32 \(4, 16\) but the "
-                       r"model has torch.float32 \(2, 16\)"):
+    with pytest.raises(CheckpointError, match=r"lora_A.default.weight has shape \(4, 16\) in the checkpoint but "
+                       r"\(2, 16\) in the model built from the config; set `model.lora` \(its rank\)"):
         model_from_state(_lora(r=2), tensors, meta, where="ck")
 
 
