@@ -94,8 +94,11 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
-    from rltune.metrics.dashboard import serve
+    from rltune.metrics.dashboard import DashboardError, serve
 
+    if args.token == "":  # else taken for "no token", and the message would ask for one
+        raise DashboardError("--token is empty; give a token of at least 16 characters "
+                             "(python -c 'import secrets; print(secrets.token_urlsafe())')")
     token = args.token or os.environ.get("RLTUNE_DASHBOARD_TOKEN") or None
     serve(args.run_dirs or [Path("runs")], host=args.host, port=args.port, token=token,
           log=lambda line: console.print(line, highlight=False))
@@ -109,9 +112,11 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from rltune.metrics.report import write_report
+    from rltune.metrics.report import ReportError, write_report
 
-    index = write_report(args.run_dir, args.out)
+    if args.out == "":  # Path("") would be the working directory
+        raise ReportError("--out is empty; give the directory to write the report to (default RUN_DIR/report)")
+    index = write_report(args.run_dir, None if args.out is None else Path(args.out))
     console.print(f"report written to {index}")
     return 0
 
@@ -121,7 +126,11 @@ def _print_eval_summary(run, console: Console) -> None:
     from rltune.metrics import keys
     from rltune.metrics.jsonl import JsonlReader
 
-    evals = [row for _, row in JsonlReader(run.run_dir / "metrics.jsonl") if keys.held_out_scores(row)]
+    try:
+        evals = [row for _, row in JsonlReader(run.run_dir / "metrics.jsonl") if keys.held_out_scores(row)]
+    except (OSError, ValueError) as err:  # the run is done and saved: say why there is no summary
+        console.print(f"no held-out summary: {escape(str(err))}", highlight=False)
+        return
     if len(evals) < 1:
         return
     first, last = evals[0], evals[-1]
@@ -174,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_dashboard)
     p = sub.add_parser("report", help="write a static HTML summary with PNG charts of a run")
     p.add_argument("run_dir", type=Path, help="the run's directory (log.dir/NAME)")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/report)")
+    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     p.set_defaults(fn=cmd_report)
     p = sub.add_parser(
         "plan",
