@@ -120,6 +120,9 @@ def frozen_fingerprint(model: torch.nn.Module) -> str:
             # the positions on the CPU wherever the weights are: a GPU's linspace may round
             # them differently, and a run saved on one device resumes on another
             at = torch.linspace(0, flat.numel() - 1, min(FINGERPRINT_SAMPLES, flat.numel())).round().long()
+            # float32 positions: past 2**24 elements the last one may round up to numel
+            # (a 151936 x 896 embedding); clamped, every position that fit stays as it was
+            at.clamp_(max=flat.numel() - 1)
             sample = flat[at.to(flat.device)].to("cpu").contiguous()
             digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -65,6 +65,7 @@ class ReferenceWorker:
         seed_everything(cfg.train.seed)
         self.model = load_reference_model(cfg, model_dir, actor_device())
         self.options = reference_options(cfg)
+        self._fingerprint: str | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -73,7 +74,9 @@ class ReferenceWorker:
         return model_logprobs(self.model, batch, self.options)
 
     def fingerprint(self) -> str:
-        return frozen_fingerprint(self.model)
+        if self._fingerprint is None:  # frozen weights: taken once, not at every save
+            self._fingerprint = frozen_fingerprint(self.model)
+        return self._fingerprint
 
 
 class CriticWorker:

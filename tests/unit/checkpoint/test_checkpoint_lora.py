@@ -172,3 +172,15 @@ def test_fingerprint_sees_frozen_weights_not_adapters() -> None:
     assert frozen_fingerprint(other) != print_0
     halved = copy.deepcopy(model).to(torch.bfloat16)
     assert frozen_fingerprint(halved) != print_0
+
+
+def test_fingerprint_of_a_tensor_past_float32s_exact_integers() -> None:
+    """The sample's positions are float32: past 2**24 elements the last one rounded up to
+    the element count (Qwen2.5-0.5B's 151936 x 896 embedding) and indexed past the end.
+    uint8, so the buffer is 16 MB."""
+    holder = torch.nn.Module()
+    holder.register_buffer("big", torch.zeros(2**24 + 4, dtype=torch.uint8))
+    holder.big[-1] = 7
+    first = frozen_fingerprint(holder)
+    holder.big[-1] = 8  # the last element is one of the sample's
+    assert frozen_fingerprint(holder) != first
