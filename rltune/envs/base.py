@@ -34,11 +34,12 @@ from rltune.data.records import Prompt
 MAX_OBSERVATION_CHARS = 20_000
 """The most characters an observation may have (a first observation from ``reset``, a
 tool turn or an answer from ``step``): ten times :class:`~rltune.envs.tools.ToolEnv`'s
-default cut of tool results, and the most that ``max_result_chars`` may be set to. A
-longer one fails its episode rather than being cut: cutting would change what the
-model reads, or what reward functions score, without the environment knowing; an
-environment that means to show part of a long text cuts it itself, where it knows how.
-The check comes before any tokenising, so an oversized text costs nothing."""
+default cut of tool results, and the most that ``max_result_chars`` may be set to.
+Measured before tokenising. A longer tool turn ends its episode as the token budget does
+(``length``, scored); a longer first observation or answer fails its episode rather than
+being cut: cutting would change what the model reads, or what reward functions score,
+without the environment knowing; an environment that means to show part of a long text
+cuts it itself, where it knows how."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,9 @@ class StepResult:
     model take another turn with nothing new to read. An ``observation`` with ``done``
     True is the episode's answer, given by the environment on the model's behalf (a
     retrieval agent answering with the passage its search found): reward functions score
-    it instead of the model's last turn. ``done`` is a bool (anything else fails the
-    episode, as a reward of the wrong type does); an observation has at most
-    :data:`MAX_OBSERVATION_CHARS` characters."""
+    it instead of the model's last turn. ``done`` is a bool (None, 0 and 1 are read as
+    one; anything else fails the episode, as a reward of the wrong type does); see
+    :data:`MAX_OBSERVATION_CHARS` for the length of an observation."""
 
     observation: str | None = None
     reward: float = 0.0

@@ -261,6 +261,9 @@ class EpisodeGenerator:
             episode.finish_reason = "stop" if result.done and not episode.cut else "length"
             return
         observation = result.observation or ""
+        if len(observation) > MAX_OBSERVATION_CHARS:  # past any turn's room: not tokenised
+            episode.done, episode.finish_reason = True, "length"
+            return
         text = self.glue.observation_text(observation, ended_turn=ended_turn)
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(ids) >= self._room(episode):  # no room left after it for a turn
@@ -317,10 +320,13 @@ def _wrong_step_result(result: Any) -> str | None:
         return _returned("step", "reward ", reward, expected_reward(reward))
     if observation is not None and not isinstance(observation, str):
         return _returned("step", "observation ", observation, "a str or None")
-    if not isinstance(done, (bool, np.bool_)):  # "no" would otherwise end the episode
+    # "no" would otherwise end the episode; None and 0/1 read as they always did
+    if not (done is None or isinstance(done, (bool, np.bool_)) or (type(done) is int and done in (0, 1))):
         return _returned("step", "done ", done, "a bool")
-    if observation is not None and len(observation) > MAX_OBSERVATION_CHARS:
-        return (f"env: step returned an observation of {len(observation):,} characters, more "
+    if done and observation is not None and len(observation) > MAX_OBSERVATION_CHARS:
+        # an answer is scored as it is, so it is not cut (an observation between turns that
+        # long ends its episode on the token budget, below, without being tokenised)
+        return (f"env: step returned an answer of {len(observation):,} characters, more "
                 f"than the {MAX_OBSERVATION_CHARS:,} an observation may have; cut it in the environment")
     return None
 

@@ -41,6 +41,11 @@ class ToolError(Exception):
     """A tool could not do what the call asked; the message goes to the model."""
 
 
+class ToolHarnessError(RuntimeError):
+    """A built-in tool's machinery failed (the search index or its embedder, the sandbox),
+    not the model's call: it fails the episode unscored instead of reaching the model."""
+
+
 class ToolEnv:
     """An episode in which each assistant turn may call one tool. A turn without a call is
     the final answer and ends the episode; every step's reward is 0 (score the answer with
@@ -48,8 +53,10 @@ class ToolEnv:
     most :data:`~rltune.envs.base.MAX_OBSERVATION_CHARS`) are cut. A call of one of
     ``answer_tools`` ends the episode with its result as the answer (see
     :class:`~rltune.envs.base.StepResult`): a search agent that answers with the passage
-    it found. Only :class:`ToolError` and arguments that do not fit a tool's signature are
-    shown to the model; anything else a tool raises propagates (a harness failure)."""
+    it found. :class:`ToolError`, ``TypeError`` and ``ValueError`` (a custom tool's way
+    to refuse the model's input, e.g. ``int("five")``) and arguments that do not fit a
+    tool's signature are shown to the model; anything else a tool raises propagates (a
+    harness failure), as does a built-in tool's broken machinery (:class:`ToolHarnessError`)."""
 
     def __init__(
         self, tools: Mapping[str, Callable[..., str]], *, max_result_chars: int = _MAX_RESULT_CHARS,
@@ -93,7 +100,7 @@ class ToolEnv:
             return self._error(wrong)
         try:
             result = tool(**call.arguments)
-        except ToolError as exc:  # the model's mistake; anything else is the harness's
+        except (ToolError, TypeError, ValueError) as exc:  # the model's mistake; anything else is the harness's
             return self._error(str(exc))
         if not isinstance(result, str):
             raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not str")
@@ -220,7 +227,10 @@ def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 256) -> Callable[...
     def python(code: str) -> str:
         if not isinstance(code, str):
             raise ToolError("python: `code` must be a string")
-        result = run_python(code, limits=limits)
+        try:
+            result = run_python(code, limits=limits)
+        except Exception as exc:  # the sandbox did not start: not the model's doing
+            raise ToolHarnessError(f"python: the sandbox failed: {type(exc).__name__}: {exc}") from exc
         out = result.stdout + (f"\n{result.stderr}" if result.stderr else "")
         if result.limit_hit is not None:
             out += f"\n[stopped: {result.limit_hit} limit]"
@@ -241,7 +251,10 @@ def search_tool(retriever: Any, *, k: int = 1) -> Callable[..., str]:
     def search(query: str) -> str:
         if not isinstance(query, str) or not query.strip():
             raise ToolError("search: `query` must be a non-empty string")
-        hits = retriever.search(query, k=k)
+        try:
+            hits = retriever.search(query, k=k)
+        except Exception as exc:  # a broken store or embedder (often a ValueError): not the model's
+            raise ToolHarnessError(f"search: the retriever failed: {type(exc).__name__}: {exc}") from exc
         return "\n".join(hit.text for hit in hits) if hits else "no results"
 
     return search

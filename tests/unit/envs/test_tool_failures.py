@@ -17,7 +17,7 @@ from rltune.envs.episodes import EpisodeGenerator
 from rltune.envs.loading import EnvLoadError, load_env_factory
 from rltune.envs.retrieval import BM25Retriever, Document
 from rltune.envs.tool_format import ToolCall, ToolCallError, format_tool_call, parse_tool_call, turn_glue
-from rltune.envs.tools import ToolEnv, ToolError, calculator, search_tool, tools_env
+from rltune.envs.tools import ToolEnv, ToolError, ToolHarnessError, calculator, search_tool, tools_env
 from rltune.models.tiny import build_tokenizer
 
 
@@ -50,7 +50,7 @@ def test_a_broken_index_is_a_harness_failure_not_the_models_error(error):
     # a ValueError from the store (corrupt meta, a bad embedding) used to reach the model as
     # "error: ..." and the episode was scored
     env = ToolEnv({"search": search_tool(_BrokenIndex(error))}, answer_tools=["search"])
-    with pytest.raises(type(error)):
+    with pytest.raises(ToolHarnessError, match=rf"^search: the retriever failed: {type(error).__name__}: "):
         env.step(_call("search", query="kav"))
 
 
@@ -79,16 +79,24 @@ def test_a_broken_index_fails_the_episode_unscored():
     prompt = Prompt(id="p", text="code of kav?")
     prompt.input_ids = encode_prompt(tok, prompt)
     [r] = runner.generate([prompt], SamplingParams(n=1, max_new_tokens=200))
-    assert r.env_error == "env: step raised ValueError: bad vector" and r.env_reward is None
+    assert r.env_error == ("env: step raised ToolHarnessError: search: the retriever failed: ValueError: bad vector")
+    assert r.env_reward is None
 
 
-def test_a_custom_tool_raising_anything_but_tool_error_is_a_harness_failure():
+def test_a_custom_tools_value_or_type_error_is_the_models_and_others_the_harnesss():
+    """A custom tool refuses the model's input with ValueError or TypeError (``int("five")``),
+    as it always could; any other exception is the tool's own failure."""
     def lookup(key: str) -> str:
-        raise ValueError("the table is corrupt")
+        return str(int(key))
 
-    env = ToolEnv({"lookup": lookup})
-    with pytest.raises(ValueError, match="the table is corrupt"):
-        env.step(_call("lookup", key="a"))
+    def crashing(key: str) -> str:
+        raise RuntimeError("the table is corrupt")
+
+    env = ToolEnv({"lookup": lookup, "crashing": crashing})
+    assert env.step(_call("lookup", key="five")).observation == (
+        "error: invalid literal for int() with base 10: 'five'")
+    with pytest.raises(RuntimeError, match="the table is corrupt"):
+        env.step(_call("crashing", key="a"))
 
 
 # --------------------------------------------------------------------------- the model's errors
