@@ -1,10 +1,13 @@
 """Settings a run does not read in its configuration, refused when set away from their
 defaults (a recipe may still spell a default out): the vLLM engine's keys without that
-engine, Ray's keys (placement, weight sync, restarts, the cluster's address) in a local
-run, the producer thread's cores without a producer thread, an environment in a run
+engine, the producer thread's cores without a producer thread, an environment in a run
 that plays no episodes, and the cosine schedule's floor on a constant schedule. An
 environment's other keys without ``env.name`` are not refused: ``env.name=null`` is how a
 recipe's environment is turned off.
+
+Ray's keys (placement, weight sync, restarts, the cluster's address) in a local run are
+a note at start instead (:func:`ray_keys_note`): a Ray run's config run locally, to debug
+it or compare the two, is common.
 
 The checks run when a run starts or resumes (``rltune.runtime.build``), not when a config
 loads: a saved run whose config holds such a key can still be read, compared and exported.
@@ -60,12 +63,6 @@ def unused_setting_problems(cfg: Config, *, plays_episodes: bool, algorithm: str
             f"or remove {_pick(keys, 'it', 'them')}"
         )
     r = cfg.runtime
-    if r.mode != "ray" and (keys := ray_keys_set(r)):
-        problems.append(
-            f"{_listed(keys)} {_pick(keys, 'configures', 'configure')} Ray's actors (runtime.mode: ray), and "
-            f"runtime.mode={r.mode} runs every role in this process; set runtime.mode: ray, or remove "
-            f"{_pick(keys, 'it', 'them')}"
-        )
     if cfg.rollout.threads is not None and (r.mode != "local" or r.max_staleness == 0):
         where = ("on Ray the generators use the CPUs they reserve (runtime.placement.generator.cpus): remove it"
                  if r.mode == "ray" else "this run generates in the learner's thread: use train.threads instead, "
@@ -82,6 +79,17 @@ def unused_setting_problems(cfg: Config, *, plays_episodes: bool, algorithm: str
     return problems
 
 
+def ray_keys_note(cfg: Config) -> str | None:
+    """A line for Ray's keys set in a local run, or None. A note, not a refusal: running a
+    Ray run's config with ``runtime.mode=local`` (to debug it, or to compare the two) is
+    common, and the keys there change nothing but what a reader may think."""
+    keys = ray_keys_set(cfg.runtime) if cfg.runtime.mode != "ray" else []
+    if not keys:
+        return None
+    return (f"note: {_listed(keys)} {_pick(keys, 'configures', 'configure')} Ray's actors; runtime.mode="
+            f"{cfg.runtime.mode} runs every role in this process and reads {_pick(keys, 'it', 'none of them')}")
+
+
 def _listed(keys: list[str]) -> str:
     return " and ".join(keys)
 
@@ -90,4 +98,4 @@ def _pick(keys: list[str], one: str, more: str) -> str:
     return one if len(keys) == 1 else more
 
 
-__all__ = ["is_unread", "unread_prefixes", "unused_setting_problems"]
+__all__ = ["is_unread", "ray_keys_note", "unread_prefixes", "unused_setting_problems"]
