@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import pytest
 
-from rltune.metrics.dashboard import DashboardServer, make_server
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"not really pixels"
 JPEG = b"\xff\xd8\xff\xe0" + b"nor these"
@@ -34,24 +30,6 @@ def fetch(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[
         return response.status, dict(response.headers), response.read()
     finally:
         connection.close()
-
-
-@pytest.fixture
-def start() -> Iterator[Callable[..., DashboardServer]]:
-    running: list[tuple[DashboardServer, threading.Thread]] = []
-
-    def _start(paths: list[Path], **kwargs: Any) -> DashboardServer:
-        server = make_server(paths, port=0, **kwargs)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        running.append((server, thread))
-        return server
-
-    yield _start
-    for server, thread in running:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 @pytest.fixture
