@@ -17,7 +17,7 @@ from rltune.metrics.keys import ENV_REWARD, OVERLONG_REWARD, reward_name_problem
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no setting is infinite or NaN
 
 
 class LoraConfig(_Section):

@@ -344,3 +344,13 @@ def test_algorithm_presets_fill_only_what_the_user_left_unset() -> None:
 def test_key_combinations_that_would_do_nothing_are_errors(overrides, fragment) -> None:
     with pytest.raises(ConfigError, match=fragment):
         load_config(None, [*overrides, "reward=[{fn: builtin:exact_numeric}]"])
+
+
+@pytest.mark.parametrize("override", ["algo.dual_clip=.inf", "algo.kl_coef=.nan", "algo.clip_high=.inf",
+                                      "runtime.placement.learner.gpus=.inf", "rollout.top_p=.nan"])
+def test_no_setting_outside_train_takes_an_infinite_or_nan_value(override: str) -> None:
+    """Such a value passed the config and failed at the first step, or silently turned a
+    term off. (``train.grad_clip: .inf``, no clipping, stays allowed.)"""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}: must be a finite number"):
+        load_config(None, ["reward.0.fn=m:f", override])

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 import torch
 
 from rltune.config.schema import RewardFnConfig
@@ -406,8 +407,13 @@ def test_a_builtin_rewards_settings_are_checked_when_the_config_loads(fn, kwargs
 def test_lambda_is_named_by_its_spec_and_weights_must_be_finite(tmp_path: Path) -> None:
     path = _user_file(tmp_path)
     assert build_reward_fns([RewardFnConfig(fn=f"{path}:lam")])[0].name == "lam"
+    # refused where the config is made, before any reward is built
+    with pytest.raises(ValidationError, match=r"weight\n  Input should be a finite number"):
+        RewardFnConfig(fn=f"{path}:lam", weight=float("nan"))
+    # a config built without validation still meets the builder's own check
+    unchecked = RewardFnConfig(fn=f"{path}:lam").model_copy(update={"weight": float("nan")})
     with pytest.raises(RewardLoadError, match="weight nan is not finite"):
-        build_reward_fns([RewardFnConfig(fn=f"{path}:lam", weight=float("nan"))])
+        build_reward_fns([unchecked])
 
 
 def test_load_errors_propagate_from_build() -> None:
