@@ -151,8 +151,13 @@ class EpisodeGenerator:
             episode.done, episode.error = True, _describe("factory", exc)
             return episode
         try:
+            given = prompt_copy(prompt)
+        except Exception as exc:  # a row holding what cannot be copied (a lock): not reset's doing
+            episode.done, episode.error = True, f"env: cannot copy prompt {prompt.id!r} for reset: {_describe_exc(exc)}"
+            return episode
+        try:
             with self.watch.watching(f"env: reset for prompt {prompt.id!r}"):
-                first = env.reset(prompt_copy(prompt))
+                first = env.reset(given)
         except Exception as exc:  # an environment bug: this episode is not scored
             episode.done, episode.error = True, _describe("reset", exc)
             return episode
@@ -332,7 +337,11 @@ def _wrong_step_result(result: Any) -> str | None:
 
 
 def _describe(where: str, exc: Exception) -> str:
-    return f"env: {where} raised {type(exc).__name__}: {_cut(str(exc))}"
+    return f"env: {where} raised {_describe_exc(exc)}"
+
+
+def _describe_exc(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {_cut(str(exc))}"
 
 
 def _cut(text: str) -> str:

@@ -377,3 +377,14 @@ def test_done_may_be_none_or_a_zero_or_one_as_it_always_could(done) -> None:
     [r] = runner.generate([_prompt("bad", "B")], SamplingParams(n=1, max_new_tokens=10))
     assert r.env_error is None
     assert r.finish_reason == ("stop" if done else "length")  # ended by done, or by the turns
+
+
+def test_a_prompt_that_cannot_be_copied_is_named_as_such_not_as_resets_failure() -> None:
+    import threading as _threading
+
+    runner, gen = _runner({"q": ["go"]}, lambda: ToolEnv({"calculator": calculator}), max_turns=1)
+    prompt = _prompt("q", "?")
+    prompt.meta["lock"] = _threading.Lock()
+    [r] = runner.generate([prompt], SamplingParams(n=1, max_new_tokens=8))
+    assert r.env_error.startswith("env: cannot copy prompt 'q' for reset: TypeError: ")
+    assert gen.contexts == []  # never generated on
