@@ -34,8 +34,6 @@ next to the decode for the short tool exchanges this runs.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +45,7 @@ from rltune.data.records import Prompt, Rollout, SamplingParams
 from rltune.envs.base import MAX_OBSERVATION_CHARS, Environment, StepResult
 from rltune.envs.tool_format import CALL_CLOSE, TurnGlue
 from rltune.envs.watchdog import CallWatch
+from rltune.rewards.arguments import own_prompt
 from rltune.rewards.calls import expected_reward, finite_reward
 
 _MAX_SHOWN = 120
@@ -301,17 +300,11 @@ class EpisodeGenerator:
 
 
 def prompt_copy(prompt: Prompt) -> Prompt:
-    """``prompt`` as ``reset`` gets it: ``meta`` and ``messages`` copied deeply and
-    ``input_ids`` and ``images`` as new lists, so that an environment changing them changes
-    nothing in the dataset (later samples of the group, later epochs). Costs little: meta
-    is a few small fields. The pixel tensors of ``vision`` are shared (in a new dict), not
-    copied: they are the largest part of a prompt, and nothing reads them in place."""
-    return dataclasses.replace(
-        prompt, meta=copy.deepcopy(prompt.meta), messages=copy.deepcopy(prompt.messages),
-        input_ids=None if prompt.input_ids is None else list(prompt.input_ids),
-        images=None if prompt.images is None else list(prompt.images),
-        vision=None if prompt.vision is None else dict(prompt.vision),
-    )
+    """``prompt`` as ``reset`` gets it: a copy as a reward call gets one
+    (:func:`rltune.rewards.arguments.own_prompt`), so that an environment changing its
+    ``meta``, ``messages`` or ids changes nothing in the dataset (later samples of the
+    group, later epochs); the pixel tensors of ``vision`` are shared."""
+    return own_prompt(prompt, {})
 
 
 def _wrong_step_result(result: Any) -> str | None:
