@@ -1,6 +1,6 @@
 """Learning from preference pairs: the objectives of DPO, SimPO and reward-model training,
-the frozen reference's log-probs computed once and cached with the run, and held-out
-preference accuracy.
+and the per-row reward each method compares. The reference's cached log-probs and
+held-out preference accuracy are in :mod:`rltune.learner.pair_scoring`.
 
 Batches come from :func:`~rltune.data.collate.collate_pairs`: rows ``2k`` and ``2k + 1``
 are pair ``k``'s chosen and rejected response to the same prompt, so every objective here
@@ -22,40 +22,23 @@ method           reward of a row                                loss on a pair (
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
-import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as save_tensors
-from safetensors.torch import save_file
 
 from rltune.algos import ALGORITHMS, bradley_terry_loss, dpo_loss, masked_mean, simpo_loss
 from rltune.config.schema import AlgoConfig
-from rltune.data.collate import collate_pairs
-from rltune.data.records import Prompt, TrainBatch
-from rltune.learner.objectives import Objective, batch_vision, through_forward
+from rltune.data.records import TrainBatch
+from rltune.learner.objectives import Objective, through_forward
 from rltune.metrics import keys
-from rltune.models.logprobs import LogProbOutput, completion_logprobs
-from rltune.models.safetensors_io import open_tensors
+from rltune.models.logprobs import LogProbOutput
 from rltune.models.reward_model import sequence_scores
 
 Metrics = dict[str, torch.Tensor]
 RowRewards = Callable[[Any, TrainBatch], torch.Tensor]
 """``(forward output, micro-batch) -> [B]``: the reward of every row."""
-ContextFactory = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
-"""``model -> context manager`` under which ``model`` computes as the reference (e.g. its
-LoRA adapters disabled)."""
-
-REFERENCE_FILE = "reference_logps.safetensors"
-_CACHE_FIX = "it only caches the reference log-probs: delete it and they are computed again"
-_CACHE_FORMAT = 1  # bump when what the cache holds, or how it is computed, changes
 
 
 # ---------------------------------------------------------------- per-row quantities
@@ -240,237 +223,3 @@ def preference_method(name: str) -> PreferenceMethod:
             f"expected one of {sorted(PREFERENCE_METHODS)}"
         )
     return PREFERENCE_METHODS[name]
-
-
-# ---------------------------------------------------------------- batching pairs
-
-
-def pair_batches(
-    prompts: Sequence[Prompt],
-    pad_id: int,
-    *,
-    budget: int,
-    ref_logps: torch.Tensor | None = None,
-) -> Iterator[tuple[list[int], TrainBatch]]:
-    """``(indices into prompts, batch of their pairs)`` covering every pair once.
-
-    Pairs go longest first into batches whose padded size (rows x (longest prompt +
-    longest response)) stays within ``budget`` tokens; a pair longer than the budget is a
-    batch of its own. The grouping depends only on the lengths, so the same prompts give
-    the same batches every time. ``ref_logps`` ``[N, 2]`` are passed to ``collate_pairs``.
-    """
-    prompt_lens = [len(p.input_ids) for p in prompts]
-    response_lens = [max(len(p.meta["chosen_ids"]), len(p.meta["rejected_ids"])) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: -(prompt_lens[i] + response_lens[i]))
-    chunk: list[int] = []
-    width_p = width_c = 0
-    for i in order:
-        new_p, new_c = max(width_p, prompt_lens[i]), max(width_c, response_lens[i])
-        if chunk and 2 * (len(chunk) + 1) * (new_p + new_c) > budget:
-            yield chunk, _collate(prompts, chunk, pad_id, ref_logps)
-            chunk, new_p, new_c = [], prompt_lens[i], response_lens[i]
-        chunk.append(i)
-        width_p, width_c = new_p, new_c
-    if chunk:
-        yield chunk, _collate(prompts, chunk, pad_id, ref_logps)
-
-
-def _collate(
-    prompts: Sequence[Prompt], rows: list[int], pad_id: int, ref_logps: torch.Tensor | None
-) -> TrainBatch:
-    ref = None if ref_logps is None else ref_logps[torch.tensor(rows)]
-    return collate_pairs([prompts[i] for i in rows], pad_id, ref)
-
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        prompt_len=batch.prompt_len,
-        loss_mask=batch.loss_mask.to(device),
-        ref_seq_logps=None if batch.ref_seq_logps is None else batch.ref_seq_logps.to(device),
-        vision=batch.vision,  # moved by the forward that takes them
-    )
-
-
-@contextlib.contextmanager
-def _inference(model: torch.nn.Module) -> Iterator[None]:
-    """No gradients and eval mode (no dropout), the previous mode restored afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
-# ---------------------------------------------------------------- the frozen reference
-
-
-def reference_seq_logps(
-    model: torch.nn.Module,
-    prompts: Sequence[Prompt],
-    pad_id: int,
-    *,
-    budget: int,
-    context: ContextFactory | None = None,
-) -> torch.Tensor:
-    """``[N, 2]`` float32 (on the CPU): the summed log-probs of each prompt's chosen and
-    rejected response under ``model``, at temperature 1, in no-grad batches of at most
-    ``budget`` padded tokens (:func:`pair_batches`). ``context(model)``, when given, is
-    entered around the computation (e.g. LoRA adapters disabled, so ``model`` is its own
-    frozen base)."""
-    out = torch.zeros(len(prompts), 2)
-    device = next(model.parameters()).device
-    enter = context(model) if context is not None else contextlib.nullcontext()
-    with enter, _inference(model):
-        for rows, batch in pair_batches(prompts, pad_id, budget=budget):
-            batch = _to_device(batch, device)
-            logps = completion_logprobs(
-                model, batch.input_ids, batch.attention_mask, batch.prompt_len, vision=batch_vision(batch)
-            ).logprobs
-            seq = sequence_logps(LogProbOutput(logprobs=logps), batch).float().cpu()
-            out[torch.tensor(rows)] = torch.stack(chosen_rejected(seq), dim=1)
-    return out
-
-
-def pairs_fingerprint(prompts: Sequence[Prompt]) -> str:
-    """sha256 of every pair's id and token ids (prompt, chosen, rejected), and its images'
-    digests when it has images, in order."""
-    h = hashlib.sha256()
-    for p in prompts:
-        row = [p.id, p.input_ids, p.meta["chosen_ids"], p.meta["rejected_ids"]]
-        if p.images:  # the same tokens over other pictures are other pairs
-            row.append([image.digest for image in p.images])
-        h.update(json.dumps(row).encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
-@torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 of the model's state dict: every tensor's name, dtype, shape and bytes."""
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        h.update(f"{name}\n".encode())
-        # safetensors' bytes: a header with dtype and shape, then the raw data (any dtype,
-        # bfloat16 included, without going through numpy)
-        h.update(save_tensors({"t": tensor.detach().contiguous().cpu()}))
-    return h.hexdigest()
-
-
-@dataclass
-class ReferenceLogps:
-    """The reference's ``[N, 2]`` (chosen, rejected) log-probs of each split's pairs.
-
-    ``reused`` says whether they were read from the run directory rather than computed.
-    """
-
-    splits: dict[str, torch.Tensor]
-    fingerprint: str
-    reused: bool
-
-
-def load_or_compute_reference(
-    path: str | Path,
-    model: torch.nn.Module,
-    splits: Mapping[str, Sequence[Prompt]],
-    pad_id: int,
-    *,
-    budget: int,
-    context: ContextFactory | None = None,
-) -> ReferenceLogps:
-    """The reference log-probs of every split, read from ``path`` (a safetensors file, one
-    tensor per split) when it was written for the same data and reference model, else
-    computed with :func:`reference_seq_logps` and written there.
-
-    The file's metadata holds a fingerprint: sha256 over the cache format, each split's
-    name and :func:`pairs_fingerprint`, and :func:`weights_fingerprint` of ``model`` as
-    passed in (call this before training changes it). A resumed run therefore reuses the
-    file, and a changed dataset, split or model recomputes it. The file is written to a
-    temporary sibling and renamed, so it is complete or absent.
-    """
-    path = Path(path)
-    key = {
-        "format": _CACHE_FORMAT,
-        "model": weights_fingerprint(model),
-        "splits": {name: pairs_fingerprint(ps) for name, ps in sorted(splits.items())},
-    }
-    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    cached = _read_cache(path, fingerprint, splits)
-    if cached is not None:
-        return ReferenceLogps(splits=cached, fingerprint=fingerprint, reused=True)
-    computed = {
-        name: reference_seq_logps(model, ps, pad_id, budget=budget, context=context)
-        for name, ps in splits.items()
-    }
-    _write_cache(path, computed, fingerprint)
-    return ReferenceLogps(splits=computed, fingerprint=fingerprint, reused=False)
-
-
-def _read_cache(
-    path: Path, fingerprint: str, splits: Mapping[str, Sequence[Prompt]]
-) -> dict[str, torch.Tensor] | None:
-    if not path.is_file():
-        return None
-    with open_tensors(path, fix=_CACHE_FIX) as f:
-        if (f.metadata() or {}).get("fingerprint") != fingerprint:
-            return None
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    shapes_fit = set(tensors) == set(splits) and all(
-        tuple(tensors[name].shape) == (len(ps), 2) for name, ps in splits.items()
-    )
-    return tensors if shapes_fit else None
-
-
-def _write_cache(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                  metadata={"fingerprint": fingerprint})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-def evaluate_pairs(
-    model: torch.nn.Module,
-    prompts: Sequence[Prompt],
-    pad_id: int,
-    *,
-    forward: Callable[..., Any],
-    rewards: RowRewards,
-    budget: int,
-    ref_logps: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Preference accuracy and mean margin of ``model`` on held-out pairs.
-
-    ``forward`` is the objective's (``Objective.forward``), ``rewards`` the method's
-    per-row reward (:data:`PREFERENCE_METHODS`). With ``m_k = r(chosen_k) - r(rejected_k)``
-    over the N pairs::
-
-        eval/pref/accuracy = #{k: m_k > 0} / N     (a tie counts as wrong, as in the losses)
-        eval/pref/margin   = sum_k m_k / N
-
-    DPO's rewards need ``ref_logps`` ``[N, 2]``. Runs without gradients in eval mode, in
-    batches of ``budget`` tokens, and leaves the model's mode as it was.
-    """
-    margins = torch.zeros(len(prompts))
-    device = next(model.parameters()).device
-    with _inference(model):
-        for rows, batch in pair_batches(prompts, pad_id, budget=budget, ref_logps=ref_logps):
-            batch = _to_device(batch, device)
-            out = forward(model, batch, temperature=1.0, router_logits=False)
-            chosen, rejected = chosen_rejected(rewards(out, batch).float())
-            margins[torch.tensor(rows)] = (chosen - rejected).cpu()
-    return {
-        keys.eval_key(keys.PREF_ACCURACY): float((margins > 0).float().mean()),
-        keys.eval_key(keys.PREF_MARGIN): float(margins.mean()),
-    }

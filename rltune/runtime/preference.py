@@ -20,14 +20,14 @@ from rltune.data.collate import collate_pairs
 from rltune.data.loaders import PromptSet, load_prompts
 from rltune.data.records import Prompt, TrainBatch
 from rltune.learner.objectives import Objective
-from rltune.learner.preference import (
+from rltune.learner.pair_scoring import (
     REFERENCE_FILE,
     ContextFactory,
     ReferenceLogps,
     evaluate_pairs,
     load_or_compute_reference,
-    preference_method,
 )
+from rltune.learner.preference import preference_method
 from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import load_model
 from rltune.models.reward_model import load_reward_model

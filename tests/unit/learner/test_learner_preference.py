@@ -19,18 +19,21 @@ from rltune.algos import bradley_terry_loss, dpo_loss, simpo_loss
 from rltune.config.schema import AlgoConfig, TrainConfig
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
+from rltune.learner import pair_scoring
 from rltune.learner import preference as pref
 from rltune.learner.learner import LocalLearner
 from rltune.learner.microbatch import split_by_tokens
 from rltune.learner.objectives import Objective
-from rltune.learner.preference import (
+from rltune.learner.pair_scoring import (
     REFERENCE_FILE,
     evaluate_pairs,
     load_or_compute_reference,
     pair_batches,
-    preference_method,
+    pairs_fingerprint,
     reference_seq_logps,
+    weights_fingerprint,
 )
+from rltune.learner.preference import preference_method
 from rltune.metrics.types import scalars
 from rltune.models.reward_model import load_reward_model
 
@@ -373,7 +376,7 @@ def test_cache_is_reused_for_the_same_data_and_model(tmp_path, tiny_model, pairs
     def no_compute(*args, **kwargs):
         raise AssertionError("recomputed although the cache fits")
 
-    monkeypatch.setattr(pref, "reference_seq_logps", no_compute)
+    monkeypatch.setattr(pair_scoring, "reference_seq_logps", no_compute)
     # a resumed run: the same data (freshly loaded) and a fresh copy of the same model
     again = load_or_compute_reference(path, copy.deepcopy(tiny_model),
                                       {"train": copy.deepcopy(pairs), "eval": pairs[:3]}, 0, budget=999)
@@ -419,8 +422,8 @@ def test_cache_is_recomputed_when_data_or_model_change(tmp_path, tiny_model, pai
 
 
 def test_fingerprints_see_every_token_and_weight(tiny_model, pairs) -> None:
-    assert pref.pairs_fingerprint(pairs) == pref.pairs_fingerprint(copy.deepcopy(pairs))
-    assert pref.pairs_fingerprint(pairs) != pref.pairs_fingerprint(_changed_token(pairs))
-    assert pref.pairs_fingerprint(pairs) != pref.pairs_fingerprint(pairs[::-1])
-    assert pref.weights_fingerprint(tiny_model) == pref.weights_fingerprint(copy.deepcopy(tiny_model))
-    assert pref.weights_fingerprint(tiny_model) != pref.weights_fingerprint(_changed_weight(tiny_model))
+    assert pairs_fingerprint(pairs) == pairs_fingerprint(copy.deepcopy(pairs))
+    assert pairs_fingerprint(pairs) != pairs_fingerprint(_changed_token(pairs))
+    assert pairs_fingerprint(pairs) != pairs_fingerprint(pairs[::-1])
+    assert weights_fingerprint(tiny_model) == weights_fingerprint(copy.deepcopy(tiny_model))
+    assert weights_fingerprint(tiny_model) != weights_fingerprint(_changed_weight(tiny_model))

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from rltune.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from rltune.data.records import Prompt
-from rltune.learner.preference import load_or_compute_reference
+from rltune.learner.pair_scoring import load_or_compute_reference
 from rltune.models.safetensors_io import TensorFileError, bad_files, load_tensors
 
 

@@ -15,7 +15,7 @@ from PIL import Image
 from rltune.data.collate import collate_rollouts, left_pad
 from rltune.data.records import Prompt, PromptImage, SamplingParams
 from rltune.learner.objectives import logprob_forward
-from rltune.learner.preference import pairs_fingerprint, reference_seq_logps
+from rltune.learner.pair_scoring import pairs_fingerprint, reference_seq_logps
 from rltune.models.load import load_model, load_processor, resolve_model
 from rltune.models.logprobs import body_hidden_states
 from rltune.models.vision import batch_vision_inputs, image_token_ids
