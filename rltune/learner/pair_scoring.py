@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import save as save_tensors
@@ -27,9 +27,14 @@ from safetensors.torch import save_file
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
 from rltune.learner.objectives import logprobs_only
-from rltune.learner.preference import RowRewards, chosen_rejected, sequence_logps
+from rltune.learner.preference import RowRewards, ScoreOutput, chosen_rejected, score_forward, sequence_logps
 from rltune.metrics import keys
+from rltune.models.logprobs import LogProbOutput
+from rltune.models.lora import adapters_disabled
 from rltune.models.safetensors_io import open_tensors
+
+if TYPE_CHECKING:
+    from rltune.learner.learner import LocalLearner
 
 ContextFactory = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
 """``model -> context manager`` under which ``model`` computes as the reference (e.g. its
@@ -38,6 +43,10 @@ PairForward = Callable[[TrainBatch], Any]
 """``batch -> output`` of every row of a pair batch, without gradients, its tensors on the
 CPU: ``logprobs`` ``[B, C]`` (a causal LM, at temperature 1) or ``scores`` ``[B]`` (a
 reward model)."""
+
+PAIR_FORWARDS: dict[str, Callable[..., Any]] = {"logprobs": logprobs_only, "scores": score_forward}
+"""The no-grad forward of each output a pair batch is scored by: a causal LM's token
+log-probs, or a reward model's score of each row."""
 
 REFERENCE_FILE = "reference_logps.safetensors"
 _CACHE_FIX = "it only caches the reference log-probs: delete it and they are computed again"
@@ -126,6 +135,66 @@ def on_cpu(out: Any) -> Any:
         f.name: value.float().cpu() for f in dataclasses.fields(out)
         if isinstance(value := getattr(out, f.name), torch.Tensor)
     })
+
+
+class PairScorer(Protocol):
+    """What scores pair batches: a model in this process (:class:`ModelScorer`) or a
+    learner, wherever its ranks are (``rltune.runtime.protocols.Learner``)."""
+
+    def pair_outputs(self, batch: TrainBatch, field: str, *, adapters_off: bool = False) -> torch.Tensor:
+        """``field`` of :data:`PAIR_FORWARDS` (``logprobs`` ``[B, C]``, ``scores`` ``[B]``)
+        of every row of ``batch`` under the current weights, without gradients, at
+        temperature 1, float32 on the CPU. ``adapters_off``: LoRA's adapters switched off,
+        so that the model computes as its frozen base (nothing to switch on another model)."""
+        ...
+
+    def weights_fingerprint(self) -> str:
+        """:func:`weights_fingerprint` of the current weights (of every shard, when sharded)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelScorer:
+    """A :class:`PairScorer` over ``model`` in this process."""
+
+    model: torch.nn.Module
+
+    def pair_outputs(self, batch: TrainBatch, field: str, *, adapters_off: bool = False) -> torch.Tensor:
+        with model_pairs(self.model, PAIR_FORWARDS[field], context=adapters_disabled if adapters_off else None) as run:
+            return getattr(run(batch), field)
+
+    def weights_fingerprint(self) -> str:
+        return weights_fingerprint(self.model)
+
+
+def learner_pair_outputs(learner: LocalLearner, batch: TrainBatch, field: str, adapters_off: bool) -> torch.Tensor:
+    """:meth:`PairScorer.pair_outputs` of a :class:`~rltune.learner.learner.LocalLearner`
+    (one rank of a group: its shard of the rows, every rank together), with its layout,
+    micro-batch budget and precision."""
+    with adapters_disabled(learner.model) if adapters_off else contextlib.nullcontext():
+        return learner.predict(batch, PAIR_FORWARDS[field], field).cpu()
+
+
+def learner_weights_fingerprint(learner: LocalLearner) -> str:
+    """:func:`weights_fingerprint` of a learner's (or one rank's) weights."""
+    return weights_fingerprint(learner.model)
+
+
+def group_fingerprint(prints: Sequence[str]) -> str:
+    """One fingerprint of a learner group's weights from its ranks' ``prints``: the one
+    print when every rank holds the same weights (DDP: then a one-process run's reference
+    cache fits), else sha256 over the list (each rank its own shard)."""
+    if len(set(prints)) == 1:
+        return prints[0]
+    return hashlib.sha256(json.dumps(list(prints)).encode()).hexdigest()
+
+
+def scorer_forward(scorer: PairScorer, field: str, *, adapters_off: bool = False) -> PairForward:
+    """The :data:`PairForward` of ``scorer``'s ``field``."""
+    def run(batch: TrainBatch) -> LogProbOutput | ScoreOutput:
+        out = scorer.pair_outputs(batch, field, adapters_off=adapters_off)
+        return LogProbOutput(logprobs=out) if field == "logprobs" else ScoreOutput(scores=out)
+    return run
 
 
 # ---------------------------------------------------------------- the frozen reference

@@ -25,15 +25,20 @@ from rltune.data.records import Prompt
 from rltune.data.sampler import PromptSampler
 from rltune.envs.loading import load_env_factory
 from rltune.models.load import ModelLoadError, load_processor, load_tokenizer, resolve_model
-from rltune.models.lora import adapters_disabled
 from rltune.rewards.scorer import RewardFn, build_reward_fns
 from rltune.runtime.collect import Collector
 from rltune.runtime.evaluate import Evaluation, GeneratedEvaluation, PreferenceEvaluation
 from rltune.runtime.kl import KLCoefficient
 from rltune.runtime.parts import Progress, Run, RunData, RunRoles, RunSpec
-from rltune.runtime.preference import PreferenceParts, build_preference_parts, skip_warnings
+from rltune.runtime.preference import (
+    PreferenceParts,
+    PreferencePairs,
+    load_preference_pairs,
+    score_preference_pairs,
+    skip_warnings,
+)
 from rltune.runtime.roles import (
-    EnvFactory, Roles, check_critic_vocabulary, dense_router_loss_message, is_preference, learner_model,
+    EnvFactory, Roles, check_critic_vocabulary, dense_router_loss_message, is_preference,
     lookup_algorithm, model_positions, model_vocab_size, plays_episodes, seed_everything, tokenizer_ids,
 )
 from rltune.parallel.layout import expert_count, model_config_of
@@ -78,12 +83,15 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     _check_router_loss(cfg, model_dir)
     if inputs.algorithm.needs_critic:
         check_critic_vocabulary(cfg, model_dir, tokenizer)
-    preference = _preference_parts(cfg, model_dir, tokenizer, processor, run_dir, roles.device) if is_preference(cfg) else None
-    data = _run_data(cfg, inputs, tokenizer, processor, preference)
+    pairs = _preference_pairs(cfg, model_dir, tokenizer, processor) if is_preference(cfg) else None
+    data = _run_data(cfg, inputs, tokenizer, processor, pairs)
     _check_positions(cfg, model_dir, inputs.algorithm.online, data)
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
-    run_roles = _build_roles(cfg, roles, inputs, model_dir, data, preference, sampling)
+    run_roles = _build_roles(cfg, roles, inputs, model_dir, data, sampling)
+    # the learner scores the pairs (no copy of the model here); DPO's reference is its
+    # starting weights, taken before any checkpoint is restored into it
+    preference = score_preference_pairs(cfg, pairs, run_roles.learner, run_dir) if pairs is not None else None
     save_resolved_config(cfg, run_dir)
     return Run(
         spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=tuple(
@@ -259,24 +267,17 @@ def setting_problems(algorithm: Algorithm, cfg: Config) -> list[str]:
                                    why_no_episodes=why)
 
 
-def _preference_parts(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
-                      processor: "ProcessorMixin | None", run_dir: Path, device: torch.device | None) -> PreferenceParts:
-    """DPO, SimPO, reward model: the model (LoRA-wrapped when configured, so that DPO's
-    reference is the base with adapters off), pairs, objective and held-out evaluation.
-    DPO's reference log-probs are computed here, before any checkpoint is restored; on
-    every runtime this process holds the model for them and for held-out evaluation."""
-    model = learner_model(cfg, model_dir) if cfg.model.lora is not None else None
-    return build_preference_parts(
-        cfg, model_dir=model_dir, tokenizer=tokenizer, processor=processor, run_dir=run_dir,
-        reference_context=adapters_disabled if model is not None else None, model=model, device=device,
-        check_rows=partial(_check_pairs, cfg, model_dir),
-    )
+def _preference_pairs(cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
+                      processor: "ProcessorMixin | None") -> PreferencePairs:
+    """DPO, SimPO, reward model: the pairs, checked against the model's positions as they
+    load. The learner scores them once it is built (:func:`score_preference_pairs`)."""
+    return load_preference_pairs(cfg, tokenizer, processor=processor, check_rows=partial(_check_pairs, cfg, model_dir))
 
 
 def _run_data(cfg: Config, inputs: _Inputs, tokenizer: "PreTrainedTokenizerBase",
-              processor: "ProcessorMixin | None", preference: PreferenceParts | None) -> RunData:
-    if preference is not None:
-        train, held_out, warnings = preference.train_prompts, preference.eval_prompts, preference.data_warnings
+              processor: "ProcessorMixin | None", pairs: PreferencePairs | None) -> RunData:
+    if pairs is not None:
+        train, held_out, warnings = pairs.train_prompts, pairs.eval_prompts, pairs.data_warnings
     else:
         # a row's other fields reach per-sample rewards as keywords beside prompt and completion
         vl = {"processor": processor, "model": cfg.model.path,
@@ -291,13 +292,13 @@ def _run_data(cfg: Config, inputs: _Inputs, tokenizer: "PreTrainedTokenizerBase"
 
 
 def _build_roles(cfg: Config, roles: Roles, inputs: _Inputs, model_dir: str, data: RunData,
-                 preference: PreferenceParts | None, sampling: torch.Generator) -> RunRoles:
+                 sampling: torch.Generator) -> RunRoles:
     """The roles the algorithm needs, in one order. A generator when the run generates:
     online algorithms, and held-out evaluation by generating (SFT with rewards)."""
     algorithm = inputs.algorithm
-    learner = roles.learner(cfg, model_dir, algorithm, preference)
+    learner = roles.learner(cfg, model_dir, algorithm)
     generator = None
-    if preference is None and (algorithm.online or data.eval_prompts is not None):
+    if not is_preference(cfg) and (algorithm.online or data.eval_prompts is not None):
         generator = roles.generator(cfg, model_dir, data.tokenizer, sampling, inputs.make_env)
     scorer = roles.scorer(cfg, inputs.reward_fns) if inputs.judged else None
     needs_reference = algorithm.online and algorithm.requires_reference(cfg.algo.kl_coef)
@@ -332,7 +333,7 @@ def _evaluation(cfg: Config, data: RunData, roles: RunRoles, preference: Prefere
     """Preference methods score held-out pairs with the learner's model (they do not
     generate); the others generate on ``eval_prompts`` and score with the run's rewards."""
     if preference is not None:
-        return PreferenceEvaluation(preference, roles.learner)
+        return PreferenceEvaluation(preference)
     if data.eval_prompts is None or roles.generator is None or roles.scorer is None:
         return None
     return GeneratedEvaluation(roles.generator, roles.scorer, data.eval_prompts, cfg.eval, cfg.rollout)

@@ -14,7 +14,7 @@ from rltune.metrics.types import scalars
 from rltune.rewards.scorer import ScoreStats
 from rltune.runtime.experience import rollout_metrics
 from rltune.runtime.preference import PreferenceParts
-from rltune.runtime.protocols import Generator, Learner, Scorer
+from rltune.runtime.protocols import Generator, Scorer
 
 
 @dataclass(frozen=True)
@@ -54,17 +54,13 @@ class GeneratedEvaluation:
 
 @dataclass(frozen=True)
 class PreferenceEvaluation:
-    """Held-out preference metrics of the learner's model: ``parts.model`` (the learner's
-    own module in this process, else the driver's copy) with the learner's newest weights."""
+    """Held-out preference metrics of the learner's newest weights, scored by the learner
+    itself (``parts.evaluate``)."""
 
     parts: PreferenceParts
-    learner: Learner
 
     def __call__(self) -> Evaluated:
-        if not self.parts.eval_prompts:
-            return Evaluated({})
-        self.learner.copy_weights_to(self.parts.model)
-        return Evaluated(self.parts.evaluate(self.parts.model))
+        return Evaluated(self.parts.evaluate())
 
 
 def evaluate(

@@ -22,7 +22,7 @@ from rltune.config import Config, ConfigError
 from rltune.data.records import TrainBatch
 from rltune.learner.learner import LocalLearner
 from rltune.learner.memory import MemorySettingError
-from rltune.learner.objectives import build_objective
+from rltune.learner.pair_scoring import learner_pair_outputs, learner_weights_fingerprint
 from rltune.learner.parallel import NoParallelism
 from rltune.metrics.types import MetricLike
 from rltune.models.load import resolve_model
@@ -34,8 +34,9 @@ from rltune.runtime.parts import Run
 from rltune.runtime.roles import (
     EnvFactory,
     critic_learner,
+    learner_model,
+    learner_objective,
     learner_options,
-    load_policy,
     load_reference_model,
     local_scorer,
     make_generator,
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 
     from rltune.envs.episodes import EpisodeGenerator
     from rltune.rollout.hf import HFGenerator
-    from rltune.runtime.preference import PreferenceParts
 
 
 class LocalTrained:
@@ -85,9 +85,11 @@ class LocalTrained:
     def fetch_weights(self) -> dict[str, torch.Tensor]:
         return self.learner.model.state_dict()
 
-    def copy_weights_to(self, model: torch.nn.Module) -> None:
-        if model is not self.learner.model:
-            model.load_state_dict(self.learner.model.state_dict())
+    def pair_outputs(self, batch: TrainBatch, field: str, *, adapters_off: bool = False) -> torch.Tensor:
+        return learner_pair_outputs(self.learner, batch, field, adapters_off)
+
+    def weights_fingerprint(self) -> str:
+        return learner_weights_fingerprint(self.learner)
 
     def checkpoint_state(self, prefix: str) -> tuple[dict, dict]:
         return to_cpu(learner_state(self.learner, prefix))
@@ -168,16 +170,11 @@ class LocalRoles:
         self.device = device
         self.policy: torch.nn.Module | None = None
 
-    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
-                preference: "PreferenceParts | None") -> LocalTrained:
-        if preference is not None:
-            model, objective = preference.model, preference.objective
-        else:
-            model = load_policy(cfg, model_dir)
-            objective = build_objective(algorithm, cfg.algo, max_len=cfg.rollout.max_new_tokens)
+    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm) -> LocalTrained:
+        model = learner_model(cfg, model_dir)
         self.policy = model
-        return LocalTrained(LocalLearner(model, objective, cfg.train, parallelism=NoParallelism(self.device),
-                                         **learner_options(cfg, algorithm, model)))
+        return LocalTrained(LocalLearner(model, learner_objective(cfg, algorithm), cfg.train,
+                                         parallelism=NoParallelism(self.device), **learner_options(cfg, algorithm, model)))
 
     def shares_weights(self, cfg: Config) -> bool:
         return cfg.rollout.engine == "hf" and cfg.runtime.max_staleness == 0  # vLLM holds its own copy

@@ -72,9 +72,15 @@ class Learner(Checkpointed, Protocol):
         """The full weights here, in this process (exports, held-out evaluation)."""
         ...
 
-    def copy_weights_to(self, model: torch.nn.Module) -> None:
-        """Make ``model`` hold the current weights (nothing to do when it is the learner's
-        own module)."""
+    def pair_outputs(self, batch: TrainBatch, field: str, *, adapters_off: bool = False) -> torch.Tensor:
+        """A preference pair batch scored without gradients by the learner's own ranks
+        (:class:`~rltune.learner.pair_scoring.PairScorer`): DPO's reference log-probs and
+        held-out preference metrics, with no copy of the model in this process."""
+        ...
+
+    def weights_fingerprint(self) -> str:
+        """:func:`~rltune.learner.pair_scoring.weights_fingerprint` of the current weights
+        (a sharded learner's: of its ranks' shards)."""
         ...
 
     def step_metrics(self) -> dict[str, MetricLike]: ...

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rltune.envs.base import Environment
-    from rltune.runtime.preference import PreferenceParts
 
 EnvFactory = Callable[[], "Environment"]
 
@@ -59,14 +58,9 @@ class Roles(Protocol):
     """Where a run's roles live. Each method builds one role for ``cfg``; the builder calls
     them in the order listed, once each, and only for the roles the run has."""
 
-    device: torch.device | None
-    """Where the models this process holds compute (a preference method's model and its
-    reference log-probs): the local runtime's device; None: where they load (a Ray
-    driver, whose actors compute on their own devices)."""
-
-    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
-                preference: "PreferenceParts | None") -> Learner:
-        """The policy learner (a preference method's model: ``preference.model`` here)."""
+    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm) -> Learner:
+        """The policy learner (a preference method's model, which also scores its pairs:
+        ``Learner.pair_outputs``)."""
         ...
 
     def generator(self, cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",

@@ -45,6 +45,7 @@ from rltune.config.schema import (  # noqa: E402
 )
 from rltune.data.records import TrainBatch  # noqa: E402
 from rltune.learner.learner import LocalLearner  # noqa: E402
+from rltune.learner.pair_scoring import weights_fingerprint  # noqa: E402
 from rltune.learner.objectives import build_objective  # noqa: E402
 from rltune.metrics.types import scalars  # noqa: E402
 from rltune.models.load import load_model  # noqa: E402
@@ -181,6 +182,8 @@ def trained(group: RayLearnerGroup, batch: TrainBatch, tmp_path_factory: pytest.
         out["weights"].append(group.fetch_weights())
     out["version"] = group.version
     out["logprobs"] = group.logprobs(batch)
+    out["one_row"] = group.pair_outputs(batch.select(slice(0, 1)), "logprobs")
+    out["fingerprint"] = group.weights_fingerprint()
     out["exported"] = group.export_weights()
     out["sync_s"] = group.last_sync_s
     out["checkpoint"] = checkpoint(group, tmp_path_factory.mktemp("ckpt-ddp"), 2)
@@ -197,6 +200,9 @@ def resumed_fsdp(fsdp: RayLearnerGroup, trained: dict, batch: TrainBatch,
     restore(fsdp, trained["checkpoint"])
     out["version_loaded"] = fsdp.version
     out["weights_loaded"] = fsdp.fetch_weights()
+    out["fingerprint"] = fsdp.weights_fingerprint()
+    out["one_row"] = fsdp.pair_outputs(batch.select(slice(0, 1)), "logprobs")
+    out["logprobs_loaded"] = fsdp.logprobs(batch)
     out["metrics"] = scalars(fsdp.step(batch))
     out["version"] = fsdp.version
     out["weights"] = fsdp.fetch_weights()
@@ -273,6 +279,27 @@ def test_export_weights_is_a_ref_to_rank_zeros_weights(local: dict, trained: dic
 
 def test_group_has_no_model_attribute(group: RayLearnerGroup) -> None:
     assert not hasattr(group, "model")
+
+
+def test_a_batch_of_fewer_rows_than_ranks_is_scored_by_the_group(trained: dict, resumed_fsdp: dict) -> None:
+    """One row on two ranks (DDP, FSDP2): the group pads it with a copy so that every rank
+    takes part, and returns that row's log-probs alone. 1e-5: the row computed alone
+    against within the whole batch, where fp32 products over other row counts may round
+    differently by a few ulps of |log p| < 10."""
+    for out, every_row in ((trained, trained["logprobs"]), (resumed_fsdp, resumed_fsdp["logprobs_loaded"])):
+        assert out["one_row"].shape == every_row[:1].shape
+        torch.testing.assert_close(out["one_row"], every_row[:1], rtol=0, atol=1e-5)
+
+
+def test_the_group_fingerprints_its_weights_as_one_process_does(model_dir: str, trained: dict,
+                                                                 resumed_fsdp: dict) -> None:
+    """DDP: every rank holds the whole model, so the group's fingerprint is one process's
+    of the same weights (a one-process run's reference cache fits a DDP run). FSDP2, with
+    the same weights loaded: each rank fingerprints its own shards, so the print differs."""
+    model = load_model(model_dir)
+    model.load_state_dict(trained["weights"][1])
+    assert trained["fingerprint"] == weights_fingerprint(model)
+    assert resumed_fsdp["fingerprint"] not in (trained["fingerprint"], None)
 
 
 def test_checkpoint_has_the_local_learners_format(local: dict, trained: dict) -> None:

@@ -63,11 +63,11 @@ def _train(root: Path, algo: str, lr: str):
     parts = build_preference_parts(cfg, model_dir=model_dir, tokenizer=tokenizer, run_dir=run_dir)
     learner = LocalLearner(parts.model, parts.objective, cfg.train)
     sampler = PromptSampler(len(parts.train_prompts), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    before = parts.evaluate(parts.model)
+    before = parts.evaluate()
     for _ in range(cfg.train.steps):
         prompts = [parts.train_prompts[i] for i in sampler.next_batch(cfg.train.prompts_per_step)]
         learner.step(parts.collate(prompts))
-    return before, parts.evaluate(parts.model), parts, tokenizer
+    return before, parts.evaluate(), parts, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -44,13 +44,8 @@ from rltune.data.records import TrainBatch
 from rltune.learner.distributed import init_group, loopback_interface
 from rltune.learner.learner import LocalLearner
 from rltune.metrics.types import Metric
-from rltune.runtime.roles import (
-    learner_model,
-    learner_objective,
-    learner_options,
-    lookup_algorithm,
-    seed_everything,
-)
+from rltune.learner.pair_scoring import group_fingerprint, learner_pair_outputs, learner_weights_fingerprint
+from rltune.runtime.roles import learner_model, learner_objective, learner_options, lookup_algorithm, seed_everything
 from rltune.runtime.ray.cluster import Placement, actor_setup, death_reason
 from rltune.runtime.ray.learner_layout import (
     Position,
@@ -59,6 +54,7 @@ from rltune.runtime.ray.learner_layout import (
     learner_parallelism,
     output_actors,
     position_of,
+    rank_logprobs,
 )
 from rltune.checkpoint.sharded import writes_shards
 from rltune.runtime.ray.fsdp_state import rank_checkpoint_state, rank_load_checkpoint_state
@@ -144,10 +140,6 @@ class LearnerActor:
         the metrics (the group's, the same on every rank) from rank 0 only."""
         metrics = self.learner.step(batch)
         return self.learner.version, (metrics if self.rank == 0 else None)
-
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, C]`` log-probs of this rank's shard, on the CPU."""
-        return self.learner.logprobs(batch).cpu()
 
     def export_weights(self) -> tuple[list[ray.ObjectRef], int] | None:
         """Rank 0: ``([ref], version)``, ``ref`` to the full weights put into Ray's object
@@ -320,11 +312,30 @@ class RayLearnerGroup:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, C]`` log-probs of ``batch`` under the current weights, rows in order."""
+        return self._rows(batch, "logprobs", rank_logprobs)
+
+    def pair_outputs(self, batch: TrainBatch, field: str, *, adapters_off: bool = False) -> torch.Tensor:
+        """A preference pair batch scored by the ranks, each its shard of the rows
+        (:func:`~rltune.learner.pair_scoring.learner_pair_outputs`); the driver holds no
+        model for DPO's reference or the held-out metrics."""
+        return self._rows(batch, "pair_outputs", learner_pair_outputs, field, adapters_off)
+
+    def weights_fingerprint(self) -> str:
+        """Of every rank's weights (:func:`~rltune.learner.pair_scoring.group_fingerprint`)."""
+        return group_fingerprint(self.run_on_ranks(learner_weights_fingerprint))
+
+    def _rows(self, batch: TrainBatch, what: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``fn(learner, shard, *args)`` on every rank's shard of ``batch``: the rows' outputs
+        in order. A batch of fewer units than data ranks is padded with copies of its first
+        unit (every rank needs rows to take part), whose outputs are dropped."""
+        rows, short = len(batch), self.positions[0].data_world * self.unit - len(batch)
+        if short > 0:
+            batch = batch.select(torch.cat([torch.arange(rows), torch.arange(self.unit).repeat(short // self.unit)]))
         shards = self._shards(batch)
         with self._lock:
-            refs = [actor.logprobs.remote(shard) for actor, shard in zip(self.actors, shards)]
-        answers = self._gather(refs, "logprobs")  # tp/pp peers answer for the same rows
-        return torch.cat([answers[i] for i in output_actors(self.positions)])
+            refs = [actor.run.remote(fn, shard, *args) for actor, shard in zip(self.actors, shards)]
+        answers = self._gather(refs, what)  # tp/pp peers answer for the same rows
+        return torch.cat([answers[i] for i in output_actors(self.positions)])[:rows]
 
     def export_weights(self) -> WeightsRef | BroadcastWeights:
         """A :class:`WeightsRef` to the full weights, put into Ray's object store by rank 0
@@ -379,11 +390,6 @@ class RayLearnerGroup:
     def fetch_weights(self) -> dict[str, torch.Tensor]:
         """The full weights as a dict on the driver (for checkpoints and exports)."""
         return self._put_weights().get(self.timeout_s)
-
-    def copy_weights_to(self, model: torch.nn.Module) -> None:
-        """Load the group's current weights into ``model`` on the driver (held-out
-        evaluation of a preference run)."""
-        model.load_state_dict(self.fetch_weights())
 
     def step_metrics(self) -> dict[str, Metric]:
         """Nothing to report per step (a dead rank ends the run: :class:`LearnerDied`)."""

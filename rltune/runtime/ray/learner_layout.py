@@ -16,7 +16,7 @@ layout (``train.parallel``, ``rltune/parallel/layout.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -25,6 +25,9 @@ from rltune.data.records import TrainBatch
 from rltune.learner.distributed import shard_batch
 from rltune.learner.parallel import Parallelism, make_parallelism
 from rltune.parallel.layout import check_layout, layout_for, model_config_of
+
+if TYPE_CHECKING:
+    from rltune.learner.learner import LocalLearner
 
 MESH = "mesh"
 """The strategy name of a group laid out by ``train.parallel`` (every rank holds a part
@@ -105,5 +108,10 @@ def output_actors(positions: list[Position]) -> list[int]:
     return [chosen[rank] for rank in sorted(chosen)]
 
 
+def rank_logprobs(learner: LocalLearner, batch: TrainBatch) -> torch.Tensor:
+    """``[B, C]`` log-probs of this rank's shard, on the CPU."""
+    return learner.logprobs(batch).cpu()
+
+
 __all__ = ["MESH", "Position", "compact", "data_shards", "group_strategy", "learner_parallelism", "output_actors",
-           "position_of"]
+           "position_of", "rank_logprobs"]

@@ -39,8 +39,6 @@ from rltune.runtime.state import apply_learner_state, learner_state, to_cpu
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from rltune.runtime.preference import PreferenceParts
-
 
 def model_roles(cfg: Config) -> tuple[str, ...]:
     """The placement roles besides learner, generator and scorer that ``cfg`` needs:
@@ -194,9 +192,6 @@ class RayRunState:
 class RayRoles:
     """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``)."""
 
-    device = None
-    """The driver's own copies stay where they load; each actor picks its device."""
-
     def __init__(self, placement: Placement, config_dir: Path | None, run_dir: Path) -> None:
         self.placement = placement
         self.config_dir = str(config_dir) if config_dir else None
@@ -204,8 +199,7 @@ class RayRoles:
         self.current_generator: RayGenerator | None = None
         self.started: list[Any] = []
 
-    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm,
-                preference: "PreferenceParts | None") -> RayLearnerGroup:
+    def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm) -> RayLearnerGroup:
         return self._keep(RayLearnerGroup(cfg, model_dir, self.placement))
 
     def shares_weights(self, cfg: Config) -> bool:
