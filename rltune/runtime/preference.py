@@ -100,7 +100,9 @@ def score_preference_pairs(cfg: Config, pairs: PreferencePairs, scorer: PairScor
     step or checkpoint restore. Held-out evaluation scores with the scorer's weights at
     the time of the call."""
     method = preference_method(cfg.algo.name)
-    budget = cfg.train.micro_batch_tokens
+    # one call per global batch: a Ray group cuts it over its ranks, each of which then
+    # scores about one micro-batch of it (one round trip for them all)
+    budget = cfg.train.micro_batch_tokens * (cfg.runtime.placement.learners if cfg.runtime.mode == "ray" else 1)
     reference = None
     if method.needs_reference:
         splits = {"train": pairs.train_prompts, **({"eval": pairs.eval_prompts} if pairs.eval_prompts else {})}
