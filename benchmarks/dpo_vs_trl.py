@@ -56,7 +56,7 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
     from rltune.runtime.local import run_local
 
     spent: list[float] = []
-    compute = preference.load_or_compute_reference
+    compute = preference.cached_reference
 
     def timed_reference(*a, **kw):
         start = time.perf_counter()
@@ -65,7 +65,7 @@ def run_rltune(args: argparse.Namespace, work: Path) -> dict:
         finally:
             spent.append(time.perf_counter() - start)
 
-    preference.load_or_compute_reference = timed_reference
+    preference.cached_reference = timed_reference
     cfg = load_config(None, [
         "name=bench", f"model.path={args.model_dir}", "algo.name=dpo", f"algo.beta={BETA}",
         f"data.train={args.train}", "data.shuffle=false", "data.chat_template=false",

@@ -176,8 +176,12 @@ def learner_pair_outputs(learner: LocalLearner, batch: TrainBatch, field: str, a
 
 
 def learner_weights_fingerprint(learner: LocalLearner) -> str:
-    """:func:`weights_fingerprint` of a learner's (or one rank's) weights."""
-    return weights_fingerprint(learner.model)
+    """:func:`weights_fingerprint` of a learner's (or one rank's) weights, and its
+    ``train.precision`` unless fp32: it scores pairs under that precision's autocast, so a
+    reference cache written under another precision (or by a :class:`ModelScorer`, which
+    computes in the weights' own dtype) is not taken for its own."""
+    weights = weights_fingerprint(learner.model)
+    return weights if learner.cfg.precision == "fp32" else f"{weights}|{learner.cfg.precision}"
 
 
 def group_fingerprint(prints: Sequence[str]) -> str:

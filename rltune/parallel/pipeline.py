@@ -354,11 +354,12 @@ class Pipeline:
     def predict(self, chunks: list[TrainBatch], forwards: int, forward: Callable[..., Any], field: str, *,
                 temperature: float, autocast: Callable[[], Any]) -> torch.Tensor:
         """``field`` of ``forward``'s output on every row of ``chunks`` (consecutive rows of
-        one batch), ``[B, C]`` float32 on every ``pp`` rank: forward only, through the
-        schedule, the head on the last stage, then broadcast."""
+        one batch), ``[B, C]`` float32 (a reward model's scores: ``[B]``) on every ``pp``
+        rank: forward only, through the schedule, the head on the last stage, then broadcast."""
         kind, with_entropy = head_kind(forward)
         rows = sum(len(c) for c in chunks)
-        result = torch.empty(rows, chunks[0].completion_len, dtype=torch.float32, device=self.device)
+        shape = (rows,) if kind == "scores" else (rows, chunks[0].completion_len)
+        result = torch.empty(shape, dtype=torch.float32, device=self.device)
         count = self._count(forwards)
         out = self._run(equalise(chunks, count), (kind, temperature, with_entropy), autocast, loss_fn=None)
         if self.stage.is_last:

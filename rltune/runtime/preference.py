@@ -38,6 +38,7 @@ from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import load_model
 from rltune.models.reward_model import load_reward_model
 from rltune.models.vision import freeze_vision, is_vision_language
+from rltune.parallel.layout import layout_for
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,10 @@ def score_preference_pairs(cfg: Config, pairs: PreferencePairs, scorer: PairScor
     step or checkpoint restore. Held-out evaluation scores with the scorer's weights at
     the time of the call."""
     method = preference_method(cfg.algo.name)
-    # one call per global batch: a Ray group cuts it over its ranks, each of which then
-    # scores about one micro-batch of it (one round trip for them all)
-    budget = cfg.train.micro_batch_tokens * (cfg.runtime.placement.learners if cfg.runtime.mode == "ray" else 1)
+    # one call per global batch: a Ray group cuts it over its data ranks (tp and pp peers
+    # share rows), each of which then scores about one micro-batch of it
+    ranks = layout_for(cfg, cfg.runtime.placement.learners).data_world if cfg.runtime.mode == "ray" else 1
+    budget = cfg.train.micro_batch_tokens * ranks
     reference = None
     if method.needs_reference:
         splits = {"train": pairs.train_prompts, **({"eval": pairs.eval_prompts} if pairs.eval_prompts else {})}

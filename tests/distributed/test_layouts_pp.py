@@ -26,6 +26,7 @@ from learner_group_workers import BUDGET, algo_config, make_batch  # noqa: E402
 
 from rltune.learner.distributed import shard_batch  # noqa: E402
 from rltune.learner.launch import spawn_learner_group  # noqa: E402
+from rltune.learner.pair_scoring import learner_pair_outputs  # noqa: E402
 from rltune.learner.parallel import NoParallelism  # noqa: E402
 from rltune.models.chunked import set_logprob_chunk_tokens  # noqa: E402
 from rltune.models.load import load_model, resolve_model  # noqa: E402
@@ -283,7 +284,12 @@ def objective_learner(model_dir: str, name: str, parallelism):
         learner = build_learner(load_model(model_dir), parallelism)
         learner.cfg = learner.cfg.model_copy(update={"micro_batch_tokens": 100_000})
         return learner, batch
-    if name == "dpo":
+    if name == "rm":  # a reward model: the score head on the last stage
+        from rltune.learner.preference import reward_model_objective
+        from rltune.models.reward_model import load_reward_model
+
+        objective, model = reward_model_objective(AlgoConfig(name="reward_model")), load_reward_model(model_dir, seed=0)
+    elif name == "dpo":
         objective, model = dpo_objective(AlgoConfig(name="dpo")), load_model(model_dir)
         batch.ref_seq_logps = (batch.old_logprobs * batch.loss_mask).sum(-1) + torch.randn(len(batch), generator=g)
     else:
@@ -306,6 +312,8 @@ def objective_runs(model_path: str, names: list[str]) -> list[dict]:
         out.append(run_steps(learner, batch, 2))
         if name == "whole":  # and a prediction in one chunk
             out[-1]["logprobs"] = learner.logprobs(batch)
+        if name == "rm":  # and each row's score, as a preference run's evaluation asks
+            out[-1]["scores"] = learner_pair_outputs(learner, batch, "scores", False)
     return out
 
 
@@ -314,8 +322,9 @@ def test_pp2_every_objective_equals_one_process(tiny_dir: str) -> None:
     """SFT, DPO (pairs: unit 2, the pair-count denominator) and PPO's critic (the value
     head on the last stage) through the 1F1B schedule equal one process; so does GRPO
     with the whole batch in one micro-batch (1F1B runs a padding one for the second
-    stage)."""
-    names = ["sft", "dpo", "critic", "whole"]
+    stage), and a reward model's training and its scores predicted through the stages
+    (one number a row, 1e-5 as the log-probs)."""
+    names = ["sft", "dpo", "critic", "whole", "rm"]
     ranks = spawn_learner_group(2, objective_runs, tiny_dir, names, backend="gloo", timeout_s=400)
     torch.set_num_threads(1)
     for k, name in enumerate(names):
@@ -323,8 +332,13 @@ def test_pp2_every_objective_equals_one_process(tiny_dir: str) -> None:
         ref = run_steps(learner, batch, 2)
         if name == "whole":
             ref["logprobs"] = learner.logprobs(batch)
+        if name == "rm":
+            ref["scores"] = learner_pair_outputs(learner, batch, "scores", False)
         for rank in ranks:
             assert_equal_to_reference(rank[k], ref, logprob_rows=slice(None) if name == "whole" else None)
+            if name == "rm":
+                assert rank[k]["scores"].shape == (len(batch),)
+                torch.testing.assert_close(rank[k]["scores"], ref["scores"], rtol=0, atol=1e-5)
 
 
 def test_moe_balancing_that_needs_the_whole_load_is_refused() -> None:

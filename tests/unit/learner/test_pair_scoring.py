@@ -24,9 +24,11 @@ from rltune.learner.pair_scoring import (
     ModelScorer,
     group_fingerprint,
     learner_pair_outputs,
+    learner_weights_fingerprint,
     pair_seq_logps,
     reference_seq_logps,
     scorer_forward,
+    weights_fingerprint,
 )
 from rltune.learner.preference import preference_method
 from rltune.models.lora import apply_lora
@@ -42,10 +44,10 @@ def make_pairs(n: int = 6) -> list[Prompt]:
                    meta={"chosen_ids": tokens(1 + i) + [3], "rejected_ids": tokens(6 - i) + [3]}) for i in range(n)]
 
 
-def learner_of(model: torch.nn.Module, method: str, budget: int = 40) -> LocalLearner:
+def learner_of(model: torch.nn.Module, method: str, budget: int = 40, precision: str = "fp32") -> LocalLearner:
     """A learner whose micro-batch budget cuts the six pairs' batch into several chunks."""
     objective = preference_method(method).objective(AlgoConfig(name=method))
-    return LocalLearner(model, objective, TrainConfig(micro_batch_tokens=budget))
+    return LocalLearner(model, objective, TrainConfig(micro_batch_tokens=budget, precision=precision))
 
 
 class LearnerScorer:
@@ -104,3 +106,13 @@ def test_ranks_with_the_same_weights_fingerprint_as_one(prints: list[str]) -> No
 def test_sharded_ranks_fingerprint_their_shards_in_rank_order() -> None:
     assert group_fingerprint(["a", "b"]) == hashlib.sha256(json.dumps(["a", "b"]).encode()).hexdigest()
     assert group_fingerprint(["a", "b"]) != group_fingerprint(["b", "a"])
+
+
+def test_a_learners_fingerprint_names_its_precision_unless_fp32(tiny_model) -> None:
+    """The reference is scored under the learner's autocast, so a bf16 learner's cache is
+    not an fp32 one's (nor a ModelScorer's, which computes in the weights' dtype); fp32's
+    stays the weights' own, as the caches written before say."""
+    plain = weights_fingerprint(tiny_model)
+    assert learner_weights_fingerprint(learner_of(copy.deepcopy(tiny_model), "dpo")) == plain
+    bf16 = learner_weights_fingerprint(learner_of(copy.deepcopy(tiny_model), "dpo", precision="bf16"))
+    assert bf16 != plain and bf16.startswith(plain)
