@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import re
@@ -54,6 +56,60 @@ def raised_in_actor(err: BaseException) -> BaseException:
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, BaseException):
         return err.cause
     return err
+
+
+def refusals() -> tuple[type[Exception], ...]:
+    """The errors with which an actor's construction refuses its input or its machine (a
+    config or layout it cannot run, a model, reward, environment or data it cannot load,
+    a precision or memory setting its device lacks). Another actor of the same config on
+    the same machine would refuse again, so none is restarted for them."""
+    from rltune.checkpoint.store import CheckpointError
+    from rltune.config import ConfigError
+    from rltune.data.loaders import DataError
+    from rltune.envs.loading import EnvLoadError
+    from rltune.learner.memory import MemorySettingError
+    from rltune.learner.precision import PrecisionError
+    from rltune.models.load import ModelLoadError
+    from rltune.models.routing import RoutingError
+    from rltune.models.safetensors_io import TensorFileError
+    from rltune.parallel.layout import LayoutError
+    from rltune.rewards.loading import RewardLoadError
+
+    return (ConfigError, DataError, ModelLoadError, RewardLoadError, CheckpointError, EnvLoadError, TensorFileError,
+            LayoutError, PrecisionError, MemorySettingError, RoutingError)
+
+
+def refuses_at_start(cls: type) -> type:
+    """``cls`` (an actor class) whose construction, when it raises one of
+    :func:`refusals`, does not kill the actor: the actor keeps the error and every method
+    call raises it. The driver's call then gets the user's error itself (Ray's
+    ``RayTaskError`` of its type: one line at the command line, exit 2), where an actor
+    dead in its creation task is an ``ActorDiedError`` that the driver restarts (up to
+    ``runtime.actor_restarts`` or ``runtime.learner_restarts``) to the same refusal."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except refusals() as err:
+            self._refused = err
+
+    cls.__init__ = __init__
+    for name, method in list(vars(cls).items()):
+        if inspect.isfunction(method) and not name.startswith("_"):
+            setattr(cls, name, _raising_refusal(method))
+    return cls
+
+
+def _raising_refusal(method: Any) -> Any:
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        refused = self.__dict__.get("_refused")
+        if refused is not None:
+            raise refused
+        return method(self, *args, **kwargs)
+    return call
 
 
 def actor_setup(threads: int) -> None:

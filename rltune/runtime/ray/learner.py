@@ -46,7 +46,7 @@ from rltune.learner.learner import LocalLearner
 from rltune.metrics.types import Metric
 from rltune.learner.pair_scoring import group_fingerprint, learner_pair_outputs, learner_weights_fingerprint
 from rltune.runtime.roles import learner_model, learner_objective, learner_options, lookup_algorithm, seed_everything
-from rltune.runtime.ray.cluster import Placement, actor_setup, death_reason
+from rltune.runtime.ray.cluster import Placement, actor_setup, death_reason, refuses_at_start
 from rltune.runtime.ray.learner_layout import (
     Position,
     data_shards,
@@ -97,6 +97,7 @@ class BroadcastWeights:
 # ----------------------------------------------------------------------------- one rank
 
 
+@refuses_at_start
 class LearnerActor:
     """One rank of the learner group, run as a Ray actor (``ray.remote(LearnerActor)``).
 

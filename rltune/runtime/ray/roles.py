@@ -22,7 +22,14 @@ from rltune.config import Config
 from rltune.data.records import TrainBatch
 from rltune.metrics.types import MetricLike
 from rltune.rewards.scorer import RewardFn
-from rltune.runtime.ray.cluster import Placement, RayRuntimeError, actor_device, actor_setup, death_reason
+from rltune.runtime.ray.cluster import (
+    Placement,
+    RayRuntimeError,
+    actor_device,
+    actor_setup,
+    death_reason,
+    refuses_at_start,
+)
 from rltune.runtime.ray.learner import LearnerDied, RayLearnerGroup
 from rltune.runtime.ray.rollouts import ActorPool, RayGenerator, RayScorer
 from rltune.runtime.roles import (
@@ -55,6 +62,7 @@ def model_roles(cfg: Config) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------ the actors
 
 
+@refuses_at_start
 class ReferenceWorker:
     """The frozen starting policy (a copy of ``model_dir``) computing log-probs."""
 
@@ -77,6 +85,7 @@ class ReferenceWorker:
         return self._fingerprint
 
 
+@refuses_at_start
 class CriticWorker:
     """PPO's critic: the value model and its optimizer, built as the local runtime does."""
 

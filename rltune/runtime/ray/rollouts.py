@@ -37,6 +37,7 @@ from rltune.runtime.ray.cluster import (
     actor_setup,
     death_reason,
     record_fault,
+    refuses_at_start,
 )
 
 CALL_TIMEOUT_S = 3600.0
@@ -48,6 +49,7 @@ ACTOR_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 # ------------------------------------------------------------------------------ the actors
 
 
+@refuses_at_start
 class GeneratorWorker:
     """One generator actor: the policy (from ``model_dir``, LoRA as configured; or a vLLM
     engine of its own with ``rollout.engine: vllm``), the tokenizer, the environment when
@@ -131,6 +133,7 @@ class GeneratorWorker:
         self.rng.set_state(state)
 
 
+@refuses_at_start
 class ScorerWorker:
     """One scorer actor: the run's reward functions in a :class:`LocalScorer`."""
 
@@ -187,7 +190,11 @@ class ActorPool:
         self.faults_file = faults_file
         self.prepare = prepare
         self.actors = [self._start(i) for i in range(len(placement.index[role]))]
-        self.call_all("pid")  # wait until every actor is up, so start-up errors surface here
+        try:
+            self.call_all("pid")  # wait until every actor is up, so start-up errors surface here
+        except BaseException:
+            self.close()  # an actor that refused its input would otherwise hold its bundle
+            raise
 
     @property
     def size(self) -> int:

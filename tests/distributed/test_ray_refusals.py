@@ -1,0 +1,91 @@
+"""An actor whose construction refuses its input (``rltune/runtime/ray/cluster.py``
+``refuses_at_start``) hands the driver the user's error at once: it is not taken for a
+dead actor and restarted (``runtime.learner_restarts``, ``runtime.actor_restarts``) to
+the same refusal.
+
+The learner case is a whole ``run_ray`` on a model whose weights file is damaged after
+the driver's checks (the driver reads the config and tokenizer, never the weights): the
+learner ranks refuse it as they load it, and the run ends with the ``ModelLoadError``
+naming the file, with no resume recorded."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from rltune.config import ConfigError, load_config  # noqa: E402
+from rltune.models.load import ModelLoadError  # noqa: E402
+from rltune.runtime.ray.cluster import place, refuses_at_start  # noqa: E402
+from rltune.runtime.ray.learner import LearnerDied  # noqa: E402
+from rltune.runtime.ray.rollouts import ActorPool  # noqa: E402
+from rltune.runtime.ray.run import run_ray  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@refuses_at_start
+class Refusing:
+    """An actor whose construction refuses its config, after a first attempt to work."""
+
+    def __init__(self, why: str) -> None:
+        self.started = True
+        raise ConfigError(why)
+
+    def pid(self) -> int:
+        return 1
+
+    def work(self) -> str:
+        return "worked"
+
+
+@refuses_at_start
+class Working:
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+
+    def pid(self) -> int:
+        return 1
+
+    def work(self) -> str:
+        return self.answer
+
+
+def test_a_refusing_pool_actor_raises_the_users_error_and_is_not_restarted(ray_cluster, tmp_path: Path) -> None:
+    cfg = load_config(None, ["runtime.mode=ray", "runtime.placement.learners=1"])
+    placement = place(cfg.runtime.placement, name="test-refusal")
+    faults = tmp_path / "faults.jsonl"
+    try:
+        with pytest.raises(ConfigError, match="rollout.compile=true needs g\\+\\+") as caught:
+            ActorPool("generator", Refusing, lambda i: ("rollout.compile=true needs g++",), placement,
+                      restarts=3, faults_file=faults)
+        assert not isinstance(caught.value, ray.exceptions.RayActorError)
+        assert not faults.exists()  # no actor was counted dead, none replaced
+        pool = ActorPool("generator", Working, lambda i: ("ok",), placement, restarts=3, faults_file=faults)
+        try:  # the wrapping leaves a working actor's calls as they were
+            assert pool.call_all("work") == ["ok"]
+        finally:
+            pool.close()
+    finally:
+        placement.remove()
+
+
+def test_a_learner_rank_that_refuses_its_model_ends_the_run_with_that_error(
+    ray_cluster, model_dir: str, tmp_path: Path
+) -> None:
+    damaged = tmp_path / "model"
+    shutil.copytree(model_dir, damaged)
+    (damaged / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    cfg = load_config(None, [
+        "name=refused", f"model.path={damaged}", "algo.name=grpo", "reward.0.fn=builtin:exact_numeric",
+        "data.train=builtin:arith_small/train", "train.steps=2", f"log.dir={tmp_path / 'runs'}", "log.console=false",
+        "runtime.mode=ray", "runtime.placement.learners=2", "runtime.learner_restarts=2",
+    ])
+    with pytest.raises(ModelLoadError, match="model.safetensors") as caught:
+        run_ray(cfg)
+    assert not isinstance(caught.value, LearnerDied)
+    assert not (tmp_path / "runs" / "refused" / "faults.jsonl").exists()  # no resume was tried
