@@ -112,20 +112,38 @@ class CriticWorker:
 
 class RayReference:
     """The Reference protocol over one :class:`ReferenceWorker` (replaced if it dies: it
-    holds no state but the frozen weights)."""
+    holds no state but the frozen weights). A replacement loads ``model.path`` again; its
+    weights are checked against those the run started with before its log-probs are used."""
 
     def __init__(self, cfg: Config, model_dir: str, placement: Placement, faults_file: Path | None) -> None:
         _require(placement, "reference")
         threads = placement.threads("reference")
         self.pool = ActorPool("reference", ReferenceWorker, lambda i: (cfg, model_dir, threads), placement,
                               restarts=cfg.runtime.actor_restarts, faults_file=faults_file)
+        self.model_dir = model_dir
+        self._fingerprint: str = self.pool.call({0: ("fingerprint", ())})[0]
+        self._checked = 0  # replacements whose weights were checked
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.pool.call({0: ("logprobs", (batch,))})[0]
+        out = self.pool.call({0: ("logprobs", (batch,))})[0]
+        if self.pool.restarted != self._checked:  # a replacement loaded model.path again
+            self._check_replacement()
+        return out
 
     def fingerprint(self) -> str:
-        """Of the weights the actor loaded from ``model.path`` (its own copy, LoRA or not)."""
-        return self.pool.call({0: ("fingerprint", ())})[0]
+        """Of the weights the actor loaded from ``model.path`` at the start (its own copy,
+        LoRA or not)."""
+        return self._fingerprint
+
+    def _check_replacement(self) -> None:
+        self._checked = self.pool.restarted
+        if self.pool.call({0: ("fingerprint", ())})[0] != self._fingerprint:
+            raise RayRuntimeError(
+                f"the reference actor was replaced (it died) and loaded other weights from {self.model_dir} than the "
+                "run started with (their fingerprint differs): the files there changed during the run, and the KL "
+                "term would measure against another model from here on; put the weights the run started from back "
+                "at model.path and resume from the newest checkpoint"
+            )
 
     def close(self) -> None:
         self.pool.close()
