@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from rltune.config import ConfigError, load_config  # noqa: E402
 from rltune.models.load import ModelLoadError  # noqa: E402
-from rltune.runtime.ray.cluster import place, refuses_at_start  # noqa: E402
+from rltune.runtime.ray.cluster import RayRuntimeError, place, refuses_at_start  # noqa: E402
 from rltune.runtime.ray.learner import LearnerDied  # noqa: E402
 from rltune.runtime.ray.rollouts import ActorPool  # noqa: E402
 from rltune.runtime.ray.run import run_ray  # noqa: E402
@@ -41,6 +41,18 @@ class Refusing:
 
     def work(self) -> str:
         return "worked"
+
+
+@refuses_at_start
+class RefusingOnceMarked:
+    """Starts, unless ``marker`` exists (what a killed predecessor still holds)."""
+
+    def __init__(self, marker: str) -> None:
+        if Path(marker).exists():
+            raise ConfigError(f"{marker} is held")
+
+    def pid(self) -> int:
+        return 1
 
 
 @refuses_at_start
@@ -89,3 +101,24 @@ def test_a_learner_rank_that_refuses_its_model_ends_the_run_with_that_error(
         run_ray(cfg)
     assert not isinstance(caught.value, LearnerDied)
     assert not (tmp_path / "runs" / "refused" / "faults.jsonl").exists()  # no resume was tried
+
+
+def test_a_replacement_that_refuses_counts_as_a_death(ray_cluster, tmp_path: Path) -> None:
+    """A replacement may see what the actor it replaces held: its refusal uses a restart,
+    and once they are used up the run ends naming the refusal."""
+    cfg = load_config(None, ["runtime.mode=ray", "runtime.placement.learners=1"])
+    placement = place(cfg.runtime.placement, name="test-refusal-replaced")
+    marker, faults = tmp_path / "held", tmp_path / "faults.jsonl"
+    try:
+        pool = ActorPool("generator", RefusingOnceMarked, lambda i: (str(marker),), placement,
+                         restarts=2, faults_file=faults)
+        try:
+            marker.touch()
+            ray.kill(pool.actors[0], no_restart=True)
+            with pytest.raises(RayRuntimeError, match="actor_restarts is used up: .*ConfigError: .*held"):
+                pool.call_all("pid")
+            assert len(faults.read_text().splitlines()) == 2  # the death, then the first replacement's refusal
+        finally:
+            pool.close()
+    finally:
+        placement.remove()

@@ -85,7 +85,9 @@ def refuses_at_start(cls: type) -> type:
     call raises it. The driver's call then gets the user's error itself (Ray's
     ``RayTaskError`` of its type: one line at the command line, exit 2), where an actor
     dead in its creation task is an ``ActorDiedError`` that the driver restarts (up to
-    ``runtime.actor_restarts`` or ``runtime.learner_restarts``) to the same refusal."""
+    ``runtime.actor_restarts`` or ``runtime.learner_restarts``) to the same refusal. A
+    replacement's refusal still counts as a death (``ActorPool.fresh``, and the run's
+    resume in ``run.py``): it may see what the actor it replaces still held."""
     init = cls.__init__
 
     @functools.wraps(init)
@@ -93,7 +95,9 @@ def refuses_at_start(cls: type) -> type:
         try:
             init(self, *args, **kwargs)
         except refusals() as err:
-            self._refused = err
+            # without the traceback: its frames would keep what __init__ built alive, and
+            # each raise would add to it
+            self._refused = err.with_traceback(None)
 
     cls.__init__ = __init__
     for name, method in list(vars(cls).items()):

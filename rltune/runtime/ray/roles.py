@@ -79,6 +79,10 @@ class ReferenceWorker:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return model_logprobs(self.model, batch, self.options)
 
+    def checked_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, str]:
+        """The log-probs and the fingerprint of the weights that computed them."""
+        return self.logprobs(batch), self.fingerprint()
+
     def fingerprint(self) -> str:
         if self._fingerprint is None:  # frozen weights: taken once, not at every save
             self._fingerprint = frozen_fingerprint(self.model)
@@ -121,29 +125,27 @@ class RayReference:
         self.pool = ActorPool("reference", ReferenceWorker, lambda i: (cfg, model_dir, threads), placement,
                               restarts=cfg.runtime.actor_restarts, faults_file=faults_file)
         self.model_dir = model_dir
-        self._fingerprint: str = self.pool.call({0: ("fingerprint", ())})[0]
-        self._checked = 0  # replacements whose weights were checked
+        try:
+            self._fingerprint: str = self.pool.call({0: ("fingerprint", ())})[0]
+        except BaseException:
+            self.pool.close()
+            raise
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        out = self.pool.call({0: ("logprobs", (batch,))})[0]
-        if self.pool.restarted != self._checked:  # a replacement loaded model.path again
-            self._check_replacement()
-        return out
-
-    def fingerprint(self) -> str:
-        """Of the weights the actor loaded from ``model.path`` at the start (its own copy,
-        LoRA or not)."""
-        return self._fingerprint
-
-    def _check_replacement(self) -> None:
-        self._checked = self.pool.restarted
-        if self.pool.call({0: ("fingerprint", ())})[0] != self._fingerprint:
+        out, weights = self.pool.call({0: ("checked_logprobs", (batch,))})[0]
+        if weights != self._fingerprint:  # a replacement loaded model.path again, and it changed
             raise RayRuntimeError(
                 f"the reference actor was replaced (it died) and loaded other weights from {self.model_dir} than the "
                 "run started with (their fingerprint differs): the files there changed during the run, and the KL "
                 "term would measure against another model from here on; put the weights the run started from back "
                 "at model.path and resume from the newest checkpoint"
             )
+        return out
+
+    def fingerprint(self) -> str:
+        """Of the weights the actor loaded from ``model.path`` at the start (its own copy,
+        LoRA or not)."""
+        return self._fingerprint
 
     def close(self) -> None:
         self.pool.close()

@@ -37,6 +37,7 @@ from rltune.runtime.ray.cluster import (
     actor_setup,
     death_reason,
     record_fault,
+    refusals,
     refuses_at_start,
 )
 
@@ -189,6 +190,10 @@ class ActorPool:
         """Replacements since the last :meth:`take_restarts`."""
         self.faults_file = faults_file
         self.prepare = prepare
+        self.fresh: set[int] = set()
+        """Replacements (and resets) that have not answered a call yet: one that refuses its
+        input as it starts may see what its killed predecessor still held (GPU memory, a
+        port), so its refusal counts as a death, not as the user's error."""
         self.actors = [self._start(i) for i in range(len(placement.index[role]))]
         try:
             self.call_all("pid")  # wait until every actor is up, so start-up errors surface here
@@ -217,10 +222,15 @@ class ActorPool:
             i = pending.pop(ref)
             try:
                 results[i] = ray.get(ref)
+                self.fresh.discard(i)
             except ACTOR_DEATH as err:
                 self._replace(i, err)
                 pending[self.submit(i, *jobs[i])] = i
             except ray.exceptions.RayTaskError as err:
+                if i in self.fresh and isinstance(err, refusals()):
+                    self._replace(i, err)
+                    pending[self.submit(i, *jobs[i])] = i
+                    continue
                 # the actor lives but its code raised: the user's error, shown as it is
                 raise err.as_instanceof_cause() from None
         return results
@@ -237,6 +247,7 @@ class ActorPool:
         so it does not count against ``restarts``."""
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._start(i)
+        self.fresh.add(i)
         self._record(i, None)
 
     def _replace(self, i: int, err: Exception, *, prepare: bool = True) -> None:
@@ -248,6 +259,7 @@ class ActorPool:
         self.restarted += 1
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._start(i)
+        self.fresh.add(i)
         self._record(i, err)
         if prepare and self.prepare is not None:
             self.prepare(i)
@@ -462,7 +474,8 @@ class RayScorer:
     def close(self) -> None:
         try:
             self.pool.call_all("close")
-        except (RayRuntimeError, *ACTOR_DEATH):
+        except (RayRuntimeError, *ACTOR_DEATH, *refusals()):
             pass
-        self.pool.close()
+        finally:
+            self.pool.close()
 

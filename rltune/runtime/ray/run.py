@@ -27,7 +27,9 @@ from rltune.runtime.ray.cluster import (
     RayRuntimeError,
     connect,
     place,
+    raised_in_actor,
     record_fault,
+    refusals,
 )
 from rltune.runtime.ray.learner import LearnerDied
 from rltune.runtime.ray.roles import RayRoles, model_roles
@@ -74,7 +76,13 @@ def _train_resuming(cfg: Config, config_dir: Path | None, placement: Placement, 
             if cfg.checkpoint.final:
                 _export_final(cfg, run)
             return run
-        except LearnerDied as err:
+        except (LearnerDied, ray.exceptions.RayTaskError) as raised:
+            # an actor refusing its input as the run resumes may see what the killed ones
+            # still held (GPU memory, a port): a death too; at the first start, the user's error
+            resumed = restarts_left < cfg.runtime.learner_restarts
+            if not isinstance(raised, LearnerDied) and not (resumed and isinstance(raised, refusals())):
+                raise
+            err = raised if isinstance(raised, LearnerDied) else raised_in_actor(raised)
             newest = latest_checkpoint(checkpoints_of(run_dir))
             if restarts_left <= 0:
                 raise RayRuntimeError(f"{err}; runtime.learner_restarts is used up") from None
