@@ -22,6 +22,7 @@ from rltune.runtime.ray.cluster import RayRuntimeError, place  # noqa: E402
 from rltune.runtime.ray.roles import RayReference  # noqa: E402
 
 
+@pytest.mark.slow  # ~30 s with its own Ray: a rare path, kept out of the default run
 def test_a_replaced_reference_is_checked_against_the_weights_the_run_started_with(
     ray_cluster, model_dir: str, tmp_path: Path
 ) -> None:
