@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from rltune.data.collate import collate_pairs
 from rltune.data.records import Prompt, TrainBatch
+from rltune.learner.distributed import to_device
 from rltune.learner.objectives import logprobs_only
 from rltune.learner.preference import RowRewards, ScoreOutput, chosen_rejected, score_forward, sequence_logps
 from rltune.metrics import keys
@@ -93,17 +94,6 @@ def _collate(
     return collate_pairs([prompts[i] for i in rows], pad_id, ref)
 
 
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        prompt_len=batch.prompt_len,
-        loss_mask=batch.loss_mask.to(device),
-        ref_seq_logps=None if batch.ref_seq_logps is None else batch.ref_seq_logps.to(device),
-        vision=batch.vision,  # moved by the forward that takes them
-    )
-
-
 @contextlib.contextmanager
 def _inference(model: torch.nn.Module) -> Iterator[None]:
     """No gradients and eval mode (no dropout), the previous mode restored afterwards."""
@@ -126,7 +116,7 @@ def model_pairs(
     device = next(model.parameters()).device
     enter = context(model) if context is not None else contextlib.nullcontext()
     with enter, _inference(model):
-        yield lambda batch: on_cpu(forward(model, _to_device(batch, device), temperature=1.0, router_logits=False))
+        yield lambda batch: on_cpu(forward(model, to_device(batch, device), temperature=1.0, router_logits=False))
 
 
 def on_cpu(out: Any) -> Any:

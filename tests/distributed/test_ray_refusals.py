@@ -122,3 +122,27 @@ def test_a_replacement_that_refuses_counts_as_a_death(ray_cluster, tmp_path: Pat
             pool.close()
     finally:
         placement.remove()
+
+
+def test_the_wrapper_keeps_a_refusal_without_its_traceback_and_lets_other_errors_through() -> None:
+    """In one process, without Ray: every call raises the kept refusal, its traceback as
+    short each time (not one raise's frames added to the last's); an error that is not a
+    refusal (a transient one) still fails the construction, so Ray restarts the actor."""
+    import traceback
+
+    refusing = Refusing("no compiler")
+    lengths = []
+    for method in (refusing.pid, refusing.work, refusing.pid):
+        with pytest.raises(ConfigError, match="no compiler") as caught:
+            method()
+        lengths.append(len(traceback.format_exception(caught.value)))
+    assert lengths[0] == lengths[1] == lengths[2]
+
+    @refuses_at_start
+    class Transient:
+        def __init__(self) -> None:
+            raise RuntimeError("rendezvous timed out")
+
+    with pytest.raises(RuntimeError, match="rendezvous"):
+        Transient()
+    assert Working("ok").work() == "ok"

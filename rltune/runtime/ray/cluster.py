@@ -95,9 +95,7 @@ def refuses_at_start(cls: type) -> type:
         try:
             init(self, *args, **kwargs)
         except refusals() as err:
-            # without the traceback: its frames would keep what __init__ built alive, and
-            # each raise would add to it
-            self._refused = err.with_traceback(None)
+            self._refused = err.with_traceback(None)  # its frames would keep what __init__ built alive
 
     cls.__init__ = __init__
     for name, method in list(vars(cls).items()):
@@ -111,7 +109,7 @@ def _raising_refusal(method: Any) -> Any:
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         refused = self.__dict__.get("_refused")
         if refused is not None:
-            raise refused
+            raise refused.with_traceback(None)  # each raise would otherwise lengthen the last one's
         return method(self, *args, **kwargs)
     return call
 

@@ -33,6 +33,7 @@ from rltune.learner.pair_scoring import (
 from rltune.learner.preference import preference_method
 from rltune.models.lora import apply_lora
 from rltune.models.reward_model import load_reward_model
+from rltune.runtime.local import LocalTrained
 
 ATOL = 1e-5
 
@@ -50,16 +51,6 @@ def learner_of(model: torch.nn.Module, method: str, budget: int = 40, precision:
     return LocalLearner(model, objective, TrainConfig(micro_batch_tokens=budget, precision=precision))
 
 
-class LearnerScorer:
-    """The one-process side of ``Learner.pair_outputs`` (``LocalTrained`` does this)."""
-
-    def __init__(self, learner: LocalLearner) -> None:
-        self.learner = learner
-
-    def pair_outputs(self, batch, field, *, adapters_off=False):
-        return learner_pair_outputs(self.learner, batch, field, adapters_off)
-
-
 def test_a_learner_scores_log_probs_and_the_reference_as_the_model_does(tiny_model) -> None:
     pairs = make_pairs()
     batch = collate_pairs(pairs, 0)
@@ -68,10 +59,11 @@ def test_a_learner_scores_log_probs_and_the_reference_as_the_model_does(tiny_mod
     assert got.shape == batch.loss_mask.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, ModelScorer(tiny_model).pair_outputs(batch, "logprobs"), rtol=0, atol=ATOL)
     assert float((got * batch.loss_mask).abs().sum()) > 1.0  # not all zeros
-    reference = pair_seq_logps(scorer_forward(LearnerScorer(learner), "logprobs", adapters_off=True), pairs, 0,
+    reference = pair_seq_logps(scorer_forward(LocalTrained(learner), "logprobs", adapters_off=True), pairs, 0,
                                budget=40)
+    # a sum of at most 7 completion tokens' log-probs (6 drawn + EOS), each within ATOL
     torch.testing.assert_close(reference, reference_seq_logps(tiny_model, pairs, 0, budget=10_000), rtol=0,
-                               atol=ATOL * 20)  # a sum of up to 7 tokens' log-probs, each within ATOL
+                               atol=ATOL * 7)
 
 
 def test_adapters_off_scores_the_frozen_base_of_a_lora_learner(tiny_model) -> None:
