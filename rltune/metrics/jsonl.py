@@ -91,7 +91,7 @@ def json_bytes(value: Any, **options: Any) -> bytes:
 
 
 BLANK: dict[str, Any] = {}
-"""What :func:`_parse` returns for an empty line (skipped, not counted as bad)."""
+"""What :func:`parse_line` returns for an empty line (skipped, not counted as bad)."""
 
 
 class JsonlError(ValueError):

@@ -19,11 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rltune.checkpoint.model import frozen_fingerprint
 from rltune.checkpoint.store import MARKER, CheckpointError
+from rltune.config import Config
 from rltune.models.load import resolve_model
 from rltune.runtime.local import build_run, run_local
 from rltune.runtime.loop import train
 from rltune.runtime.resumable import REFERENCE
+from rltune.runtime.roles import load_reference_model
 from rltune.runtime.state import restore
 
 pytestmark = pytest.mark.usefixtures("keep_torch_threads")
@@ -76,8 +79,10 @@ def _records(run_dir: Path, *more: str) -> dict[str, bytes]:
 
 
 def test_the_run_records_its_kl_reference(done):
+    """The fingerprint of the weights at model.path, as the reference loads them."""
     meta = json.loads((done / "checkpoints" / "step-2" / "state.json").read_text())
-    assert len(meta[REFERENCE]) == 64
+    reference = load_reference_model(Config(), str(done.parent.parent / "model"))
+    assert meta[REFERENCE] == frozen_fingerprint(reference)
 
 
 @pytest.mark.parametrize("edit, match", [

@@ -177,8 +177,7 @@ class JsonlTail:
     ``read_bytes`` per call, but always whole lines), then answers from memory. Cursors
     count lines kept; a cursor older than the lines kept continues from the oldest kept.
     A line that is not a row is kept as such (it counts towards ``max_rows``), so that
-    each reader is told of it once, in ``bad_lines`` and ``first_bad``, and counted in
-    :attr:`bad_lines`. ``within`` and ``steps`` as for :class:`JsonlLog`. Safe to use
+    each reader is told of it once, in ``bad_lines`` and ``first_bad``. ``within`` and ``steps`` as for :class:`JsonlLog`. Safe to use
     from several threads."""
 
     def __init__(self, path: Path, *, max_rows: int, read_bytes: int = 8 << 20,
@@ -201,12 +200,6 @@ class JsonlTail:
         self._line: int | None = 1 if offset == 0 else None  # the number of the line at the offset
         self._rows: deque[dict[str, Any] | _Bad] = deque(maxlen=self.max_rows)
         self._next_seq = 0
-        self.bad_lines = 0
-
-    @property
-    def held(self) -> int:
-        """How many rows are in memory now."""
-        return len(self._rows)
 
     def read(self, cursor: str | None, *, limit: int) -> Chunk:
         """Rows after ``cursor`` (all rows held for ``None``), at most ``limit`` lines. A
@@ -255,7 +248,6 @@ class JsonlTail:
                     if self._line is None:
                         self._line = _count_lines(handle, self._offset) + 1
                     row = _Bad(f"line {self._line + index}: {exc}")
-                    self.bad_lines += 1
                 if row is not BLANK:
                     self._rows.append(row)
                     self._next_seq += 1
