@@ -26,7 +26,7 @@ from rltune.cli import main
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
 
-SHORT = ("train.steps=10", "train.prompts_per_step=4", "train.threads=1")
+SHORT = ("train.steps=12", "train.prompts_per_step=4", "train.threads=1")
 STEPS, STOP_AT = 4, 2
 RESUME = (
     f"train.steps={STEPS}", "train.prompts_per_step=2", "algo.group_size=4", "rollout.max_new_tokens=6",
@@ -45,8 +45,11 @@ def _curve(cfg) -> list[float]:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_each_cpu_precision_learns(tiny_grpo_config, precision):
     curve = _curve(tiny_grpo_config(*SHORT, "train.lr=5e-3", f"train.precision={precision}"))
-    first, last = statistics.mean(curve[:5]), statistics.mean(curve[-5:])
-    # measured (fp32, bf16 and fp16 alike): about 0.07 -> 0.44; the control stays near 0.05
+    first, last = statistics.mean(curve[:4]), statistics.mean(curve[-4:])
+    # The curve depends on the CPU's kernels (bf16 products differ between CPUs with and
+    # without native bf16), so the bound leaves room: seeds 0-2 on an AVX2-only CPU gave
+    # first 0.05-0.07 and last 0.47-0.76 (bf16), 0.06-0.07 and 0.63-0.74 (fp32), where
+    # 10 steps left seed 0's bf16 run at +0.17; the control stays near 0.05.
     assert first < 0.15, curve
     assert last > first + 0.2, curve
 
