@@ -89,6 +89,7 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     sampling = torch.Generator().manual_seed(cfg.train.seed)
     minibatch = torch.Generator().manual_seed(cfg.train.seed + 1)
     run_roles = _build_roles(cfg, roles, inputs, model_dir, data, sampling)
+    roles.started()
     # the learner scores the pairs (no copy of the model here); DPO's reference is its
     # starting weights, taken before any checkpoint is restored into it
     preference = score_preference_pairs(cfg, pairs, run_roles.learner, run_dir) if pairs is not None else None

@@ -201,6 +201,9 @@ class LocalRoles:
     def streams(self, generators: dict[str, torch.Generator]) -> LocalStreams:
         return LocalStreams(generators)
 
+    def started(self) -> None:
+        """Nothing to wait for: each role was built in this process as it was asked for."""
+
 
 def build_run(cfg: Config, *, config_dir: Path | None = None) -> Run:
     """Load model, data and rewards for ``cfg`` and wire them into a :class:`Run` whose

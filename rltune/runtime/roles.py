@@ -79,6 +79,11 @@ class Roles(Protocol):
         """The RNG streams a checkpoint carries: ``generators`` and those of remote roles."""
         ...
 
+    def started(self) -> None:
+        """Waits until every role built so far is ready to be called (remote roles may
+        start together); raises the first start-up error."""
+        ...
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)

@@ -67,7 +67,10 @@ def start(cfg):
 def test_a_broadcast_run_trains_step_for_step_as_an_object_store_run(ray_cluster, config) -> None:
     histories = {}
     for sync_mode in ("object_store", "broadcast"):
-        run, close = start(config(f"name={sync_mode}", f"runtime.weight_sync={sync_mode}"))
+        # one generator: the channel is the same group with one member fewer, and each run
+        # starts two actor processes fewer (the slow test below forms it with two)
+        run, close = start(config(f"name={sync_mode}", f"runtime.weight_sync={sync_mode}",
+                                  "runtime.placement.generators=1"))
         try:
             histories[sync_mode] = train(run)
             if sync_mode == "broadcast":

@@ -81,8 +81,9 @@ def rises(history: list[dict]) -> tuple[float, float]:
 
 
 def test_the_same_recipe_trains_alike_locally_and_on_ray(ray_cluster, config) -> None:
-    local = train(build_run(config("name=local")))
-    run, close = ray_run(config("name=ray", "runtime.mode=ray"))
+    short = ("train.steps=12", "train.prompts_per_step=4", "train.lr=5e-3")  # rises ~0.07 -> ~0.55
+    local = train(build_run(config("name=local", *short)))
+    run, close = ray_run(config("name=ray", "runtime.mode=ray", *short))
     try:
         remote = train(run)
     finally:
@@ -90,7 +91,7 @@ def test_the_same_recipe_trains_alike_locally_and_on_ray(ray_cluster, config) ->
     # One generator actor samples with the local stream (seed train.seed), the learner
     # group of one starts from the same weights and steps with the same kernels (one
     # thread in both processes, the same machine): every step is the same to the bit, not
-    # only the first. Measured: 30 steps, every completion and metric identical.
+    # only the first. Measured: 12 steps (and 30 before), every completion and metric identical.
     for key in ("reward/mean", "loss", "grad_norm"):
         assert [m[key] for m in remote] == [m[key] for m in local], key
     assert completions(run.run_dir) == completions(run.run_dir.parent / "local")
@@ -116,6 +117,8 @@ def test_two_generators_two_learners_ahead_of_the_learner_learn(ray_cluster, con
     assert max(m["staleness/max"] for m in history) == 1.0
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; the default suite's representative is
+# tests/distributed/test_ray_rollouts.py's actor killed during a call, reissued once
 def test_a_generator_killed_during_the_run_loses_no_prompt(ray_cluster, config) -> None:
     steps, per_step = 8, 4
     cfg = config("name=kill-gen", "runtime.mode=ray", "runtime.placement.generators=2",

@@ -20,7 +20,6 @@ import torch
 
 import rltune.learner.precision as precision_module
 import rltune.runtime.roles
-import rltune.runtime.state as run_state
 from rltune.checkpoint.store import META_FILE as STATE_FILE
 from rltune.cli import main
 from rltune.runtime.local import build_run

@@ -263,7 +263,7 @@ class RayLearnerGroup:
     :class:`LearnerDied`. ``last_sync_s``: seconds the last ``export_weights`` took."""
 
     def __init__(
-        self, cfg: Config, model_dir: str, placement: Placement, *, timeout_s: float | None = None
+        self, cfg: Config, model_dir: str, placement: Placement, *, timeout_s: float | None = None, wait: bool = True
     ) -> None:
         algorithm = lookup_algorithm(cfg.algo.name)
         try:  # refuses the algorithms with a learner of their own before any actor starts
@@ -292,9 +292,17 @@ class RayLearnerGroup:
             )
             for rank in range(self.world)
         ]
-        started = self._gather([a.position.remote() for a in self.actors], "start")
-        self._version = started[0][0]
-        self.positions: list[Position] = [position for _, position in started]
+        self._starting: list[ray.ObjectRef] | None = [a.position.remote() for a in self.actors]
+        self._version, self.positions = 0, []
+        if wait:
+            self.started()
+
+    def started(self) -> None:
+        """Waits until every rank has loaded its model (``wait=False`` leaves this to the caller)."""
+        if self._starting is not None:
+            started, self._starting = self._gather(self._starting, "start"), None
+            self._version = started[0][0]
+            self.positions: list[Position] = [position for _, position in started]
 
     @property
     def version(self) -> int:

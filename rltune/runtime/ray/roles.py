@@ -98,6 +98,9 @@ class CriticWorker:
         seed_everything(cfg.train.seed)
         self.learner = critic_learner(cfg, model_dir, actor_device())
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def step(self, batch: TrainBatch) -> dict[str, MetricLike]:
         return self.learner.step(batch)
 
@@ -119,14 +122,22 @@ class RayReference:
     holds no state but the frozen weights). A replacement loads ``model.path`` again; its
     weights are checked against those the run started with before its log-probs are used."""
 
-    def __init__(self, cfg: Config, model_dir: str, placement: Placement, faults_file: Path | None) -> None:
+    def __init__(self, cfg: Config, model_dir: str, placement: Placement, faults_file: Path | None,
+                 *, wait: bool = True) -> None:
         _require(placement, "reference")
         threads = placement.threads("reference")
         self.pool = ActorPool("reference", ReferenceWorker, lambda i: (cfg, model_dir, threads), placement,
-                              restarts=cfg.runtime.actor_restarts, faults_file=faults_file)
+                              restarts=cfg.runtime.actor_restarts, faults_file=faults_file, wait=False)
         self.model_dir = model_dir
+        self._fingerprint = ""
+        if wait:
+            self.started()
+
+    def started(self) -> None:
+        """Waits for the actor; takes the fingerprint of the weights it loaded."""
         try:
-            self._fingerprint: str = self.pool.call({0: ("fingerprint", ())})[0]
+            self.pool.started()
+            self._fingerprint = self.pool.call({0: ("fingerprint", ())})[0]
         except BaseException:
             self.pool.close()
             raise
@@ -155,10 +166,16 @@ class RayCritic:
     """The Critic protocol over one :class:`CriticWorker`. Its optimizer state dies with
     it, so a dead critic is a :class:`LearnerDied`: the run resumes from its checkpoint."""
 
-    def __init__(self, cfg: Config, model_dir: str, placement: Placement) -> None:
+    def __init__(self, cfg: Config, model_dir: str, placement: Placement, *, wait: bool = True) -> None:
         _require(placement, "critic")
         remote = ray.remote(max_restarts=0, max_task_retries=0)(CriticWorker)
         self.actor = remote.options(**placement.options("critic", 0)).remote(cfg, model_dir, placement.threads("critic"))
+        if wait:
+            self.started()
+
+    def started(self) -> None:
+        """Waits until the actor has built its model and optimizer."""
+        self._get(self.actor.pid.remote(), "start")
 
     def step(self, batch: TrainBatch) -> dict[str, MetricLike]:
         return self._get(self.actor.step.remote(batch), "step")
@@ -219,17 +236,21 @@ class RayRunState:
 
 
 class RayRoles:
-    """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``)."""
+    """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``). Every
+    role's actors start at once and :meth:`started` waits for them all, so a run starts in
+    the time of its slowest role, not in the sum of them; a generator that shares a learner's
+    bundle (``runtime.placement.colocate``) starts once the learners have loaded, so that an
+    engine sizing its cache by the device's free memory sees theirs taken."""
 
     def __init__(self, placement: Placement, config_dir: Path | None, run_dir: Path) -> None:
         self.placement = placement
         self.config_dir = str(config_dir) if config_dir else None
         self.faults_file = run_dir / "faults.jsonl"
         self.current_generator: RayGenerator | None = None
-        self.started: list[Any] = []
+        self.parts: list[Any] = []
 
     def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm) -> RayLearnerGroup:
-        return self._keep(RayLearnerGroup(cfg, model_dir, self.placement))
+        return self._keep(RayLearnerGroup(cfg, model_dir, self.placement, wait=False))
 
     def shares_weights(self, cfg: Config) -> bool:
         return False  # every generator actor holds its own copy
@@ -237,29 +258,42 @@ class RayRoles:
     def generator(self, cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
                   rng: torch.Generator, make_env: EnvFactory | None) -> RayGenerator:
         # each actor loads its own tokenizer and environment and samples with its own stream
-        self.current_generator = self._keep(RayGenerator(cfg, model_dir, self.config_dir, self.placement, self.faults_file))
+        if cfg.runtime.placement.colocate:
+            self.started()
+        self.current_generator = self._keep(
+            RayGenerator(cfg, model_dir, self.config_dir, self.placement, self.faults_file, wait=False))
         return self.current_generator
 
     def scorer(self, cfg: Config, reward_fns: list[RewardFn]) -> RayScorer:
-        return self._keep(RayScorer(cfg, self.config_dir, self.placement, self.faults_file))
+        return self._keep(RayScorer(cfg, self.config_dir, self.placement, self.faults_file, wait=False))
 
     def reference(self, cfg: Config, model_dir: str) -> RayReference:
-        return self._keep(RayReference(cfg, model_dir, self.placement, self.faults_file))
+        return self._keep(RayReference(cfg, model_dir, self.placement, self.faults_file, wait=False))
 
     def critic(self, cfg: Config, model_dir: str) -> RayCritic:
-        return self._keep(RayCritic(cfg, model_dir, self.placement))
+        return self._keep(RayCritic(cfg, model_dir, self.placement, wait=False))
+
+    def started(self) -> None:
+        """Waits until the actors of every role are up, in the order the roles were built;
+        the first that fails stops all of them and raises."""
+        try:
+            for part in self.parts:
+                part.started()
+        except BaseException:
+            self.close()
+            raise
 
     def streams(self, generators: dict[str, torch.Generator]) -> RayRunState:
         # the driver does not sample: each generator actor has its own stream
         return RayRunState({k: v for k, v in generators.items() if k != "sampling"}, self)
 
     def _keep(self, part: Any) -> Any:
-        self.started.append(part)
+        self.parts.append(part)
         return part
 
     def close(self) -> None:
         """Stop every actor this object started (idempotent)."""
-        parts, self.started, self.current_generator = self.started, [], None
+        parts, self.parts, self.current_generator = self.parts, [], None
         for part in parts:
             try:
                 part.close()

@@ -176,11 +176,12 @@ def _shards(n: int, parts: int) -> list[tuple[int, int]]:
 class ActorPool:
     """``size`` actors of ``role``; replaces a dead one (up to ``restarts`` times in all)
     and reissues its call. ``prepare(i)`` brings a new actor ``i`` to the pool's state
-    before its reissued call (it only submits calls; the actor runs them in order)."""
+    before its reissued call (it only submits calls; the actor runs them in order).
+    ``wait=False`` starts the actors and leaves the wait for them to :meth:`started`."""
 
     def __init__(
         self, role: str, cls: type, args: Callable[[int], tuple], placement: Placement, *,
-        restarts: int, faults_file: Path | None, prepare: Callable[[int], None] | None = None,
+        restarts: int, faults_file: Path | None, prepare: Callable[[int], None] | None = None, wait: bool = True,
     ) -> None:
         self.role, self.placement = role, placement
         self._remote = ray.remote(max_restarts=0, max_task_retries=0)(cls)
@@ -195,8 +196,13 @@ class ActorPool:
         input as it starts may see what its killed predecessor still held (GPU memory, a
         port), so its refusal counts as a death, not as the user's error."""
         self.actors = [self._start(i) for i in range(len(placement.index[role]))]
+        if wait:
+            self.started()
+
+    def started(self) -> None:
+        """Waits until every actor is up, so that start-up errors surface here."""
         try:
-            self.call_all("pid")  # wait until every actor is up, so start-up errors surface here
+            self.call_all("pid")
         except BaseException:
             self.close()  # an actor that refused its input would otherwise hold its bundle
             raise
@@ -308,7 +314,7 @@ class RayGenerator:
     samples as the local runtime does)."""
 
     def __init__(self, cfg: Config, model_dir: str, config_dir: str | None, placement: Placement,
-                 faults_file: Path | None) -> None:
+                 faults_file: Path | None, *, wait: bool = True) -> None:
         seed, threads = cfg.train.seed, placement.threads("generator")
         self.version = 0
         self._weights: Any = None
@@ -325,7 +331,11 @@ class RayGenerator:
         self.pool = ActorPool(
             "generator", GeneratorWorker, lambda i: (cfg, model_dir, config_dir, seed + i, threads),
             placement, restarts=cfg.runtime.actor_restarts, faults_file=faults_file, prepare=self._catch_up,
+            wait=wait,
         )
+
+    def started(self) -> None:
+        self.pool.started()
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, *, group_offset: int = 0) -> list[Rollout]:
         bounds = _shards(len(prompts), self.pool.size)
@@ -441,14 +451,22 @@ class RayScorer:
     written into the driver's rollouts and the statistics combined
     (:meth:`ScoreStats.combine`)."""
 
-    def __init__(self, cfg: Config, config_dir: str | None, placement: Placement, faults_file: Path | None) -> None:
+    def __init__(self, cfg: Config, config_dir: str | None, placement: Placement, faults_file: Path | None,
+                 *, wait: bool = True) -> None:
         threads = placement.threads("scorer")
         self.pool = ActorPool(
             "scorer", ScorerWorker, lambda i: (cfg, config_dir, threads),
-            placement, restarts=cfg.runtime.actor_restarts, faults_file=faults_file,
+            placement, restarts=cfg.runtime.actor_restarts, faults_file=faults_file, wait=False,
         )
-        self.accuracy_names = self.pool.call({0: ("accuracy_names", ())})[0]
+        self.accuracy_names: tuple[str, ...] = ()
         self.names = [rf.name for rf in cfg.reward]
+        if wait:
+            self.started()
+
+    def started(self) -> None:
+        """Waits for the actors; takes the reward functions' accuracy names from the first."""
+        self.pool.started()
+        self.accuracy_names = self.pool.call({0: ("accuracy_names", ())})[0]
 
     def score(self, prompts: dict[str, Prompt], rollouts: list[Rollout]) -> ScoreStats:
         bounds = [(a, b) for a, b in _shards(len(rollouts), self.pool.size) if b > a]
