@@ -293,7 +293,7 @@ class RayLearnerGroup:
             for rank in range(self.world)
         ]
         self._starting: list[ray.ObjectRef] | None = [a.position.remote() for a in self.actors]
-        self._version, self.positions = 0, []
+        self._version, self.positions = 0, list[Position]()
         if wait:
             self.started()
 
@@ -302,7 +302,7 @@ class RayLearnerGroup:
         if self._starting is not None:
             started, self._starting = self._gather(self._starting, "start"), None
             self._version = started[0][0]
-            self.positions: list[Position] = [position for _, position in started]
+            self.positions = [position for _, position in started]
 
     @property
     def version(self) -> int:

@@ -46,6 +46,8 @@ from rltune.runtime.state import apply_learner_state, learner_state, to_cpu
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rltune.config.runtime import PlacementConfig
+
 
 def model_roles(cfg: Config) -> tuple[str, ...]:
     """The placement roles besides learner, generator and scorer that ``cfg`` needs:
@@ -236,11 +238,12 @@ class RayRunState:
 
 
 class RayRoles:
-    """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``). Every
-    role's actors start at once and :meth:`started` waits for them all, so a run starts in
-    the time of its slowest role, not in the sum of them; a generator that shares a learner's
-    bundle (``runtime.placement.colocate``) starts once the learners have loaded, so that an
-    engine sizing its cache by the device's free memory sees theirs taken."""
+    """Starts the run's actors in ``placement`` (see ``rltune.runtime.roles.Roles``). When no
+    two actors can share a GPU, every role's actors start at once and :meth:`started` waits
+    for them all, so the run starts in the time of its slowest role, not in the sum of them.
+    When some can (``runtime.placement.colocate``, or a fraction of a GPU), each role starts
+    once the one before it has loaded, so that an engine sizing its cache by the device's
+    free memory sees what the others took."""
 
     def __init__(self, placement: Placement, config_dir: Path | None, run_dir: Path) -> None:
         self.placement = placement
@@ -248,9 +251,11 @@ class RayRoles:
         self.faults_file = run_dir / "faults.jsonl"
         self.current_generator: RayGenerator | None = None
         self.parts: list[Any] = []
+        self._up = 0
+        """How many of ``parts`` (from the first) have been waited for."""
 
     def learner(self, cfg: Config, model_dir: str, algorithm: Algorithm) -> RayLearnerGroup:
-        return self._keep(RayLearnerGroup(cfg, model_dir, self.placement, wait=False))
+        return self._keep(cfg, RayLearnerGroup(cfg, model_dir, self.placement, wait=False))
 
     def shares_weights(self, cfg: Config) -> bool:
         return False  # every generator actor holds its own copy
@@ -258,44 +263,52 @@ class RayRoles:
     def generator(self, cfg: Config, model_dir: str, tokenizer: "PreTrainedTokenizerBase",
                   rng: torch.Generator, make_env: EnvFactory | None) -> RayGenerator:
         # each actor loads its own tokenizer and environment and samples with its own stream
-        if cfg.runtime.placement.colocate:
-            self.started()
         self.current_generator = self._keep(
-            RayGenerator(cfg, model_dir, self.config_dir, self.placement, self.faults_file, wait=False))
+            cfg, RayGenerator(cfg, model_dir, self.config_dir, self.placement, self.faults_file, wait=False))
         return self.current_generator
 
     def scorer(self, cfg: Config, reward_fns: list[RewardFn]) -> RayScorer:
-        return self._keep(RayScorer(cfg, self.config_dir, self.placement, self.faults_file, wait=False))
+        return self._keep(cfg, RayScorer(cfg, self.config_dir, self.placement, self.faults_file, wait=False))
 
     def reference(self, cfg: Config, model_dir: str) -> RayReference:
-        return self._keep(RayReference(cfg, model_dir, self.placement, self.faults_file, wait=False))
+        return self._keep(cfg, RayReference(cfg, model_dir, self.placement, self.faults_file, wait=False))
 
     def critic(self, cfg: Config, model_dir: str) -> RayCritic:
-        return self._keep(RayCritic(cfg, model_dir, self.placement, wait=False))
-
-    def started(self) -> None:
-        """Waits until the actors of every role are up, in the order the roles were built;
-        the first that fails stops all of them and raises."""
-        try:
-            for part in self.parts:
-                part.started()
-        except BaseException:
-            self.close()
-            raise
+        return self._keep(cfg, RayCritic(cfg, model_dir, self.placement, wait=False))
 
     def streams(self, generators: dict[str, torch.Generator]) -> RayRunState:
         # the driver does not sample: each generator actor has its own stream
         return RayRunState({k: v for k, v in generators.items() if k != "sampling"}, self)
 
-    def _keep(self, part: Any) -> Any:
+    def started(self) -> None:
+        """Waits until the actors of every role are up, in the order the roles were built;
+        at the first of them that fails, stops all of them and raises."""
+        try:
+            while self._up < len(self.parts):
+                self.parts[self._up].started()
+                self._up += 1
+        except BaseException:
+            self.close()
+            raise
+
+    def _keep(self, cfg: Config, part: Any) -> Any:
         self.parts.append(part)
+        if shares_devices(cfg.runtime.placement):
+            self.started()  # the next role starts once this one holds its memory
         return part
 
     def close(self) -> None:
         """Stop every actor this object started (idempotent)."""
-        parts, self.parts, self.current_generator = self.parts, [], None
+        parts, self.parts, self.current_generator, self._up = self.parts, [], None, 0
         for part in parts:
             try:
                 part.close()
             except Exception:  # noqa: BLE001 - an actor already gone needs no stopping
                 pass
+
+
+def shares_devices(placement: PlacementConfig) -> bool:
+    """Whether two of the run's actors may be given the same GPU: colocated bundles, or a
+    role that reserves a fraction of one (Ray packs fractions onto one device)."""
+    shares = (placement.learner.gpus, placement.generator.gpus, placement.scorer.gpus)
+    return placement.colocate or any(gpus != int(gpus) for gpus in shares)
