@@ -1,7 +1,8 @@
 """The Ray runtime's learner restarts (``rltune/runtime/ray/run.py``), with the run's
 parts replaced by stand-ins: every learner death is recorded in ``faults.jsonl`` of the
 directory that continues the run, also one that happens while the restarted run is being
-built, and the budget of restarts is kept."""
+built, and the budget of restarts is kept; an actor's refusal is a death once the run has
+resumed, and the user's own error at its first start."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import rltune.runtime.ray.run as ray_run
-from rltune.config import load_config
-from rltune.runtime.ray.cluster import RayRuntimeError
-from rltune.runtime.ray.learner import LearnerDied
+ray_exceptions = pytest.importorskip("ray.exceptions")
+
+import rltune.runtime.ray.run as ray_run  # noqa: E402
+from rltune.config import ConfigError, load_config  # noqa: E402
+from rltune.runtime.ray.cluster import RayRuntimeError  # noqa: E402
+from rltune.runtime.ray.learner import LearnerDied  # noqa: E402
 
 
 class _Roles:
@@ -30,8 +33,13 @@ def _restarting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: list[st
     todo = iter(events)
 
     def step(*args: object, **kwargs: object) -> object:
-        if next(todo) == "dies":
+        event = next(todo)
+        if event == "dies":
             raise LearnerDied("learner 0 died")
+        if event == "refuses":  # an actor's constructor refused, as Ray hands it to the driver
+            cause = ConfigError("GPU 0 is out of memory")
+            raise ray_exceptions.RayTaskError("LearnerActor.__init__", f"Traceback ...\nConfigError: {cause}",
+                                              cause).as_instanceof_cause()
         return object()
 
     monkeypatch.setattr(ray_run, "RayRoles", _Roles)
@@ -59,3 +67,19 @@ def test_the_restarts_run_out(tmp_path, monkeypatch):
     with pytest.raises(RayRuntimeError, match="runtime.learner_restarts is used up"):
         _restarting(tmp_path, monkeypatch, ["ok", "dies", "ok", "dies"], restarts=1)
     assert _faults(tmp_path / "r") == [0]
+
+
+def test_a_refusal_as_the_run_resumes_counts_as_a_death(tmp_path, monkeypatch):
+    """The resumed run's actors may see what the killed ones still held (GPU memory, a
+    port): their refusal uses a restart. Build ok, train dies; the rebuild refuses; build
+    ok, train ok."""
+    run_dir = _restarting(tmp_path, monkeypatch, ["ok", "dies", "refuses", "ok", "ok"], restarts=2)
+    assert _faults(run_dir) == [1, 0]
+    errors = [json.loads(line)["error"] for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    assert errors == ["learner 0 died", "GPU 0 is out of memory"]
+
+
+def test_a_refusal_at_the_first_start_is_the_users_error(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="GPU 0 is out of memory"):
+        _restarting(tmp_path, monkeypatch, ["refuses"], restarts=2)
+    assert not (tmp_path / "r" / "faults.jsonl").exists()
