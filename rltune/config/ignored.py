@@ -90,6 +90,17 @@ def ray_keys_note(cfg: Config) -> str | None:
             f"{cfg.runtime.mode} runs every role in this process and reads {_pick(keys, 'it', 'none of them')}")
 
 
+def ray_threads_note(cfg: Config) -> str | None:
+    """A line for ``train.threads`` set in a Ray run, or None. There it sets only the
+    driver's torch threads (collation, advantages): each actor runs as many as it reserves
+    CPUs. A note, not a refusal, for the reason of :func:`ray_keys_note`."""
+    if cfg.runtime.mode != "ray" or cfg.train.threads is None:
+        return None
+    return (f"note: train.threads={cfg.train.threads} sets the torch threads of this process (the driver) only; on "
+            f"Ray each actor runs as many threads as it reserves CPUs (the learners: runtime.placement.learner.cpus="
+            f"{cfg.runtime.placement.learner.cpus:g})")
+
+
 def _listed(keys: list[str]) -> str:
     return " and ".join(keys)
 

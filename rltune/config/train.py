@@ -65,7 +65,9 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the learner (and of the generator when it runs in the
     learner's thread); None leaves torch's default, except in a local run with rollouts
-    ahead of the learner, where None is the threads ``rollout.threads`` leaves."""
+    ahead of the learner, where None is the threads ``rollout.threads`` leaves. On Ray it
+    sets the driver's threads only (a note at start says so): each actor runs as many as
+    it reserves CPUs (``runtime.placement``)."""
     parallel: ParallelConfig = ParallelConfig()
     """The learner group's layout (``rltune/config/parallel.py``)."""
 

@@ -18,7 +18,7 @@ import torch
 from rltune.algos import Algorithm, config_problems
 from rltune.algos.registry import critic_warmup_note
 from rltune.config import Config, ConfigError, save_resolved_config
-from rltune.config.ignored import ray_keys_note, unused_setting_problems
+from rltune.config.ignored import ray_keys_note, ray_threads_note, unused_setting_problems
 from rltune.data.collate import collate_sft
 from rltune.data.loaders import load_prompts
 from rltune.data.records import Prompt
@@ -96,7 +96,8 @@ def build_run(cfg: Config, roles: Roles, *, config_dir: Path | None = None) -> R
     save_resolved_config(cfg, run_dir)
     return Run(
         spec=RunSpec(cfg, inputs.algorithm, run_dir, notes=tuple(
-            n for n in (moved, _bf16_weights_note(cfg), critic_warmup_note(inputs.algorithm, cfg), ray_keys_note(cfg))
+            n for n in (moved, _bf16_weights_note(cfg), critic_warmup_note(inputs.algorithm, cfg), ray_keys_note(cfg),
+                        ray_threads_note(cfg))
             if n)),
         data=data,
         roles=run_roles,

@@ -9,7 +9,7 @@ import pytest
 
 from rltune.algos import ALGORITHMS
 from rltune.config import ConfigError, load_config
-from rltune.config.ignored import ray_keys_note
+from rltune.config.ignored import ray_keys_note, ray_threads_note
 from rltune.runtime.build import setting_problems
 
 BASE = ["reward.0.fn=m:f"]
@@ -94,3 +94,12 @@ def test_ray_keys_at_their_defaults_or_on_ray_say_nothing() -> None:
     assert ray_keys_note(config("runtime.actor_restarts=3", "runtime.placement.learners=1")) is None
     ray = config("runtime.mode=ray", "runtime.placement.learners=2", "runtime.weight_sync=broadcast")
     assert ray_keys_note(ray) is None
+
+
+def test_train_threads_on_ray_is_a_note_that_it_sets_the_drivers_threads_only() -> None:
+    cfg = config("runtime.mode=ray", "train.threads=4", "runtime.placement.learner.cpus=2")
+    assert ray_threads_note(cfg) == (
+        "note: train.threads=4 sets the torch threads of this process (the driver) only; on Ray each actor runs as "
+        "many threads as it reserves CPUs (the learners: runtime.placement.learner.cpus=2)")
+    assert ray_threads_note(config("runtime.mode=ray")) is None
+    assert ray_threads_note(config("train.threads=4")) is None  # a local run's learner uses them
