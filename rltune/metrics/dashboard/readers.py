@@ -177,8 +177,8 @@ class JsonlTail:
     ``read_bytes`` per call, but always whole lines), then answers from memory. Cursors
     count lines kept; a cursor older than the lines kept continues from the oldest kept.
     A line that is not a row is kept as such (it counts towards ``max_rows``), so that
-    each reader is told of it once, in ``bad_lines`` and ``first_bad``. ``within`` and ``steps`` as for :class:`JsonlLog`. Safe to use
-    from several threads."""
+    each reader is told of it once, in ``bad_lines`` and ``first_bad``. ``within`` and
+    ``steps`` as for :class:`JsonlLog`. Safe to use from several threads."""
 
     def __init__(self, path: Path, *, max_rows: int, read_bytes: int = 8 << 20,
                  within: Path | None = None, steps: bool = False) -> None:
