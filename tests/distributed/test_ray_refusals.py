@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,9 @@ def test_a_replacement_that_refuses_counts_as_a_death(ray_cluster, tmp_path: Pat
                          restarts=2, faults_file=faults)
         try:
             marker.touch()
-            ray.kill(pool.actors[0], no_restart=True)
+            victim = pool.actors[0]
+            ray.kill(victim, no_restart=True)
+            _wait_until_gone(victim)  # a kill is asynchronous: the victim may still answer a call made at once
             with pytest.raises(RayRuntimeError, match="actor_restarts is used up: .*ConfigError: .*held"):
                 pool.call_all("pid")
             assert len(faults.read_text().splitlines()) == 2  # the death, then the first replacement's refusal
@@ -146,3 +149,14 @@ def test_the_wrapper_keeps_a_refusal_without_its_traceback_and_lets_other_errors
     with pytest.raises(RuntimeError, match="rendezvous"):
         Transient()
     assert Working("ok").work() == "ok"
+
+
+def _wait_until_gone(actor, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.pid.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"a killed actor still answered after {timeout_s:.0f} s")
