@@ -50,6 +50,14 @@ class TrainConfig(_Section):
     holding the whole model on a GPU: one process or DDP), ``params`` (FSDP2's CPU offload
     of sharded parameters, gradients and optimizer state: ``learner_strategy: fsdp2`` or
     ``train.parallel`` with ``dp_shard > 1``, on learners with a GPU)."""
+    reuse_rollout_mb: int = Field(1024, ge=0)
+    """Where the generator decodes on the learner's own module (a local run,
+    ``rollout.engine: hf``, ``runtime.max_staleness: 0``), it keeps each token's
+    projection outputs, up to this many MB, and the learner's training forward takes
+    them instead of repeating the products (``rltune/models/replay.py``): the same
+    log-probs and gradients to float32 rounding, a forward without its matrix products.
+    Kept until the step's optimizer step; a generation that would pass the budget keeps
+    none. 0 turns it off."""
     compile: bool = False
     """``torch.compile`` the learner's training forward and backward, one transformer block
     at a time (``rltune/learner/compiled.py``); with one process, DDP or FSDP2, not with

@@ -23,6 +23,7 @@ from rltune.learner.selective import select_rows
 from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
+from rltune.models.replay import replayed_metrics
 from rltune.models.routing import agreement_metrics, expert_load_metrics, update_routing_bias
 from rltune.models.shared_prompt import shares_prompts
 
@@ -148,6 +149,7 @@ class LocalLearner:
         measured[keys.TOKENS] = Sum(float(batch.loss_mask.sum()))
         if selection is not None:
             measured.update(selection.metrics())
+        measured.update(replayed_metrics(self.model))
         applied = self._apply_gradients()  # the same on every rank: not combined
         result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:

@@ -246,6 +246,9 @@ LEARN_EMPTY_BATCH = "learn/empty_batch"
 LEARN_SKIPPED_FRAC = "learn/skipped_frac"
 """``algo.skip_zero_advantage``: the share of the step's samples the learner did not run
 forward and backward (their advantage was zero at every token)."""
+LEARN_REPLAYED_FRAC = "learn/replayed_frac"
+"""``train.reuse_rollout_mb``: the share of the step's training rows whose forward took
+the generator's kept products (``rltune/models/replay.py``) instead of running them."""
 ENV_TURNS = "env/turns"
 ENV_TOOL_CALLS = "env/tool_calls"
 ENV_TOOL_CALL_FRAC = "env/tool_call_frac"

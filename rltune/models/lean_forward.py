@@ -44,6 +44,7 @@ rltune went from 1.22x to 1.54x TRL's pairs/s (``docs/performance.md``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +53,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from rltune.models import replay
 from rltune.models.chunked import chunked_stats
 from rltune.models.dense_layout import LayerTensors, has_hooks, layer_tensors, rms_norm, supports_fastpath
+from rltune.models.replay import Replayed
 from rltune.models.shared_prompt import _as_ddp_forward, prompt_groups
 
 _CHECKPOINTED = "_rltune_checkpointed"
@@ -123,7 +126,7 @@ def completion_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         parts = [_whole_rows(ids, mask)]
     else:
         parts = _shared_parts(input_ids, attention_mask, prompt_len, groups)
-    h = _body(model, parts)
+    h = _body(model, parts, _kept_forward(model, input_ids, attention_mask, prompt_len, groups))
     inner = model.model
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
     if groups is None:
@@ -182,7 +185,7 @@ def _shared_parts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
                   groups: torch.Tensor) -> list[_Part]:
     """The distinct prompts (the first row of each group) and, when the completions are
     longer than one token, their columns but the last, attending to the group's prompt."""
-    starts = torch.cat([groups.new_ones(1), groups[1:] != groups[:-1]]).nonzero().squeeze(1)
+    starts = _group_starts(groups)
     prompts = _whole_rows(input_ids[starts, :prompt_len], attention_mask[starts, :prompt_len])
     width = input_ids.shape[1] - prompt_len
     if width == 1:
@@ -194,6 +197,31 @@ def _shared_parts(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
     mask = torch.cat([prompt_valid[:, None, :].expand(-1, width - 1, -1),
                       causal.expand(len(groups), -1, -1)], dim=2).unsqueeze(1)  # [B, 1, C - 1, P + C - 1]
     return [prompts, _Part(input_ids[:, prompt_len:-1], positions, mask, groups)]
+
+
+def _group_starts(groups: torch.Tensor) -> torch.Tensor:
+    """The first row of each group (``groups``: :func:`prompt_groups`'s)."""
+    return torch.cat([groups.new_ones(1), groups[1:] != groups[:-1]]).nonzero().squeeze(1)
+
+
+_Kept = Callable[[int], tuple[torch.Tensor, ...]]
+"""A layer's kept decode outputs in the flat token order (:func:`rltune.models.replay.gather`)."""
+
+
+def _kept_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                  groups: torch.Tensor | None) -> _Kept | None:
+    """The generator's record of these rows' forward (:mod:`rltune.models.replay`), where
+    one is kept and usable: float32 weights, and no block checkpointed (whose point is
+    to keep less)."""
+    usable = model.model.embed_tokens.weight.dtype == torch.float32 and not (
+        torch.is_grad_enabled() and any(_CHECKPOINTED in m.__dict__ and m.training for m in model.model.layers))
+    match = replay.find(model, input_ids, attention_mask, prompt_len, usable=usable)
+    if match is None:
+        return None
+    starts = None if groups is None else _group_starts(groups)
+    fed = input_ids.shape[1] - prompt_len - 1
+    return functools.partial(replay.gather, match, prompt_rows=starts, prompt_len=prompt_len, fed=fed,
+                             whole_rows=groups is None)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -215,15 +243,20 @@ def _rope_tables(model: nn.Module, parts: list[_Part], like: torch.Tensor) -> tu
     return cos[0, :, None], sin[0, :, None]
 
 
-def _body(model: nn.Module, parts: list[_Part]) -> torch.Tensor:
-    """``[N, H]`` last hidden states (before the final norm) of every part's tokens, flat."""
+def _body(model: nn.Module, parts: list[_Part], kept: _Kept | None = None) -> torch.Tensor:
+    """``[N, H]`` last hidden states (before the final norm) of every part's tokens, flat;
+    with ``kept``, each block's products taken from the generator's record."""
     inner = model.model
     embed = inner.embed_tokens  # its padding_idx row gets no gradient, as in nn.Embedding
     h = F.embedding(torch.cat([p.ids.reshape(-1) for p in parts]), embed.weight, embed.padding_idx)
     cos, sin = _rope_tables(model, parts, h)
     attn = inner.layers[0].self_attn
     head_dim, scale = attn.head_dim, attn.scaling
-    for module in inner.layers:
+    for index, module in enumerate(inner.layers):
+        if kept is not None:
+            h = _replayed_block(layer_tensors(module), h, kept(index), parts=parts, cos=cos, sin=sin,
+                                head_dim=head_dim, scale=scale)
+            continue
         run = functools.partial(_block, layer_tensors(module), parts=parts, cos=cos, sin=sin,
                                 head_dim=head_dim, scale=scale)
         # a checkpointed block keeps only its input; the backward recomputes it (the same
@@ -243,6 +276,24 @@ def _block(layer: LayerTensors, h: torch.Tensor, *, parts: list[_Part], cos: tor
     h = h + F.linear(_attention(parts, q, k, v, scale), *layer.o)
     m = _norm(h, layer.norm2, layer.eps2)
     return h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
+
+
+def _replayed_block(layer: LayerTensors, h: torch.Tensor, kept: tuple[torch.Tensor, ...], *, parts: list[_Part],
+                    cos: torch.Tensor, sin: torch.Tensor, head_dim: int, scale: float) -> torch.Tensor:
+    """:func:`_block` with each product's output (and the residual sums after o and
+    down) taken from ``kept`` (the decode's: q/k/v, after attention, gate/up, after the
+    MLP); the backward is the products' (:class:`~rltune.models.replay.Replayed`)."""
+    qkv, after_attention, gate_up, after_mlp = kept
+    a = _norm(h, layer.norm1, layer.eps1)
+    widths = [w.shape[0] for w, _ in (layer.q, layer.k, layer.v)]
+    q, k, v = (x.view(a.shape[0], -1, head_dim)
+               for x in Replayed.apply(qkv, a, None, *layer.q, *layer.k, *layer.v).split(widths, -1))
+    q = q * cos + q.roll(head_dim // 2, -1) * sin
+    k = k * cos + k.roll(head_dim // 2, -1) * sin
+    h = Replayed.apply(after_attention, _attention(parts, q, k, v, scale), h, *layer.o)
+    m = _norm(h, layer.norm2, layer.eps2)
+    gate, up = Replayed.apply(gate_up, m, None, layer.gate, None, layer.up, None).chunk(2, -1)
+    return Replayed.apply(after_mlp, F.silu(gate) * up, h, layer.down, None)
 
 
 def _attention(parts: list[_Part], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

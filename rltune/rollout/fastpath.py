@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rltune.models import replay
 from rltune.models.dense_layout import LayerTensors, layer_tensors, rms_norm, rotate, supports_fastpath
 from rltune.rollout import fewrows
 
@@ -225,13 +226,16 @@ class LeanDecoder:
 
     def __init__(self, model: PreTrainedModel, *, max_new_tokens: int,
                  compiled: "CompiledStep | None" = None, pack: bool | None = None,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, keep_forward: bool = False) -> None:
         """``compiled``: take the steps with that compiled step over its static cache
         (``rollout.compile``, :mod:`rltune.rollout.compiled`) instead of eagerly.
         ``pack``: run the fused projections on packed weights (see the module
         docstring); None: where :func:`can_pack` allows; True where it does not is an
         error. ``kernel``: the packed product (:func:`packed_kernel`; None: by the row
-        count, among those that run here); naming one implies ``pack=True``."""
+        count, among those that run here); naming one implies ``pack=True``.
+        ``keep_forward``: keep each token's projection outputs for the learner's forward
+        (:mod:`rltune.models.replay`), where the model keeps records, in float32 without
+        autocast, and the steps are eager."""
         if not supports_fastpath(model):
             raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
         if max_new_tokens < 1:
@@ -260,6 +264,8 @@ class LeanDecoder:
         self.pack = pack
         self.fused: list[_Fused] = []
         self.key_bias: torch.Tensor | None = None
+        self.keep_forward = keep_forward and compiled is None
+        self.record: replay.Record | None = None
         self._t = 0
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
@@ -317,6 +323,12 @@ class LeanDecoder:
         # then reach real rows through 0 · NaN in the attention-weighted sum of values.
         attend = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)
         self._t = width
+        self.record = None
+        if self.keep_forward and self.embed.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):
+            layer = self.layers[0]
+            widths = (sum(w.shape[0] for w, _ in (layer.q, layer.k, layer.v)), x.shape[-1],
+                      2 * layer.gate.shape[0], x.shape[-1])
+            self.record = replay.start_record(self.model, ids, mask, repeats, steps, widths, len(self.layers))
         h = self._forward(x, attend.unsqueeze(1), 0, width)
         return F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
 
@@ -326,6 +338,8 @@ class LeanDecoder:
         if t >= self.valid.shape[1]:
             raise ValueError(f"LeanDecoder was sized for {self.max_new_tokens} new tokens, so "
                 f"{self.max_new_tokens - 1} steps after the prefill; step called past that")
+        if self.record is not None:
+            self.record.tokens[:, t - self.record.prompt_ids.shape[1]] = tokens
         if self.compiled is not None:
             logits = self.compiled.step(self, tokens)
             self._t = t + 1
@@ -333,21 +347,27 @@ class LeanDecoder:
         if self.key_bias is not None:
             h = self._one_query(F.embedding(tokens, self.embed), t)
             self._t = t + 1
+            if self.record is not None:
+                self.record.fed += 1
             return F.linear(F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps), self.lm_head)
         x = F.embedding(tokens.unsqueeze(-1), self.embed)
         h = self._forward(x, self.valid[:, None, None, : t + 1], t, t + 1)
         self._t = t + 1
+        if self.record is not None:
+            self.record.fed += 1
         return F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
 
     def _forward(self, h: torch.Tensor, attend: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Positions ``start:end`` through every layer; ``attend [R, 1, T|1, end]`` bool."""
         cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
-        for layer, fused, keys, values in zip(self.layers, self.fused, self.keys, self.values):
-            a = rms_norm(h, layer.norm1, layer.eps1)
-            h = h + self._attention(a, fused, keys, values, cos, sin, attend, start, end)
-            m = rms_norm(h, layer.norm2, layer.eps2)
-            gate, up = fused.gate_up(m)
-            h = h + fused.down(F.silu(gate) * up)
+        for index, (layer, fused, keys, values) in enumerate(zip(self.layers, self.fused, self.keys, self.values)):
+            qkv = fused.qkv(rms_norm(h, layer.norm1, layer.eps1))
+            after_attention = h + self._attention(qkv, fused, keys, values, cos, sin, attend, start, end)
+            gate, up = fused.gate_up(rms_norm(after_attention, layer.norm2, layer.eps2))
+            h = after_attention + fused.down(F.silu(gate) * up)
+            if self.record is not None:
+                outputs = (torch.cat(qkv, -1), after_attention, torch.cat((gate, up), -1), h)
+                (self.record.put_prompt if start == 0 else self.record.put_step)(index, outputs)
         return h
 
     def _one_query(self, h: torch.Tensor, t: int) -> torch.Tensor:
@@ -368,7 +388,7 @@ class LeanDecoder:
         q_heads = kv_heads * self.groups
         cos, sin = self.cos[:, :, t], self.sin[:, :, t]  # [R, 1, D], one row per head
         bias = self.key_bias[:, :, : t + 1]
-        for layer, fused, keys, values in zip(self.layers, self.fused, self.keys, self.values):
+        for index, (layer, fused, keys, values) in enumerate(zip(self.layers, self.fused, self.keys, self.values)):
             a = F.rms_norm(h, (width,), layer.norm1, layer.eps1)
             heads = fused.qkv.joined(a).view(rows, -1, self.head_dim)
             qk = rotate(heads[:, : q_heads + kv_heads], cos, sin)  # q and k in one call
@@ -378,19 +398,22 @@ class LeanDecoder:
             k_all = keys[:, :, : t + 1].reshape(rows * kv_heads, t + 1, self.head_dim)
             v_all = values[:, :, : t + 1].reshape(rows * kv_heads, t + 1, self.head_dim)
             scores = torch.baddbmm(bias, q, k_all.transpose(1, 2), alpha=self.scale)
-            h = fused.o.add_to(torch.bmm(scores.softmax(-1), v_all).view(rows, -1), h)
-            gate, up = fused.gate_up(F.rms_norm(h, (width,), layer.norm2, layer.eps2))
-            h = fused.down.add_to(F.silu(gate) * up, h)
+            after_attention = fused.o.add_to(torch.bmm(scores.softmax(-1), v_all).view(rows, -1), h)
+            gate_up = fused.gate_up.joined(F.rms_norm(after_attention, (width,), layer.norm2, layer.eps2))
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = fused.down.add_to(F.silu(gate) * up, after_attention)
+            if self.record is not None:
+                self.record.put_step(index, (heads, after_attention, gate_up, h))
         return h
 
     def _attention(
-        self, a: torch.Tensor, fused: _Fused, keys: torch.Tensor, values: torch.Tensor,
+        self, qkv: tuple[torch.Tensor, ...], fused: _Fused, keys: torch.Tensor, values: torch.Tensor,
         cos: torch.Tensor, sin: torch.Tensor, attend: torch.Tensor, start: int, end: int,
     ) -> torch.Tensor:
-        """Grouped-query attention of ``a [R, T, H]`` over cache slots ``0:end``, after
-        writing this call's keys and values into slots ``start:end``."""
-        rows, length, _ = a.shape
-        q, k, v = (part.view(rows, length, -1, self.head_dim).transpose(1, 2) for part in fused.qkv(a))
+        """Grouped-query attention of the projections ``qkv`` (q, k, v ``[R, T, ...]``) over
+        cache slots ``0:end``, after writing this call's keys and values into slots ``start:end``."""
+        rows, length, _ = qkv[0].shape
+        q, k, v = (part.view(rows, length, -1, self.head_dim).transpose(1, 2) for part in qkv)
         keys[:, :, start:end] = rotate(k, cos, sin)
         values[:, :, start:end] = v
         q = rotate(q, cos, sin)

@@ -22,6 +22,7 @@ from rltune.data.records import Prompt, Rollout, SamplingParams, VisionInputs
 from rltune.metrics import keys
 from rltune.metrics.types import Metric
 from rltune.models.autocast import autocast_for
+from rltune.models import replay
 from rltune.models.dense_layout import has_hooks, supports_fastpath
 from rltune.models.routing import NO_ROUTE, expert_count, expert_load_metrics, recording, route_counts
 from rltune.models.vision import batch_vision_inputs
@@ -109,6 +110,7 @@ class HFGenerator:
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         if tensors is not None:
             self.model.load_state_dict(dict(tensors), strict=False)
+            replay.forget(self.model)  # records of the old weights
         self.version = version
 
     def step_metrics(self) -> dict[str, Metric]:
@@ -196,7 +198,8 @@ class HFGenerator:
             raise RuntimeError("rollout.compile: the model has forward hooks registered, which the "
                                "compiled lean step would skip; remove them or set rollout.compile=false")
         if lean:
-            source = LeanDecoder(model, max_new_tokens=params.max_new_tokens, compiled=self._compiled)
+            source = LeanDecoder(model, max_new_tokens=params.max_new_tokens, compiled=self._compiled,
+                                 keep_forward=replay.store_of(model) is not None)
         else:
             source = HFSteps(model, max_new_tokens=params.max_new_tokens, vision=vision)
         logits = source.prefill(ids, mask, repeats=repeats)

@@ -25,6 +25,7 @@ from rltune.learner.memory import MemorySettingError
 from rltune.learner.pair_scoring import learner_pair_outputs, learner_weights_fingerprint
 from rltune.learner.parallel import NoParallelism
 from rltune.metrics.types import MetricLike
+from rltune.models import replay
 from rltune.models.load import resolve_model
 from rltune.models.lora import adapters_disabled, is_lora
 from rltune.rewards.scorer import LocalScorer, RewardFn
@@ -185,6 +186,8 @@ class LocalRoles:
         if cfg.rollout.engine == "hf" and not self.shares_weights(cfg):
             # the producer generates on its own copy while the learner updates the original
             model = copy.deepcopy(model).eval()
+        elif model is not None and self.shares_weights(cfg):
+            replay.keep_records(model, cfg.train.reuse_rollout_mb << 20)  # the learner's forward reuses the decode's
         return make_generator(cfg, model_dir, model, tokenizer, rng, make_env)
 
     def scorer(self, cfg: Config, reward_fns: list[RewardFn]) -> LocalScorer:

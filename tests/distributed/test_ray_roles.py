@@ -46,7 +46,8 @@ def test_model_roles_follow_the_algorithm(tmp_path) -> None:
 
 
 def test_ppo_with_kl_places_reference_and_critic_as_actors_and_matches_local(ray_cluster, tmp_path) -> None:
-    local = train(build_run(ppo_config(tmp_path, "name=local")))
+    # reuse off: a Ray generator is another process, whose products the learner cannot take
+    local = train(build_run(ppo_config(tmp_path, "name=local", "train.reuse_rollout_mb=0")))
     cfg = ppo_config(tmp_path, "name=ray", "runtime.mode=ray")
     placement = place_run(cfg, name="test-ray-roles")
     roles = RayRoles(placement, None, Path(cfg.log.dir) / cfg.name)
