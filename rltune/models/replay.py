@@ -1,10 +1,10 @@
 """The generator's forward, kept for the learner: a training forward without its products.
 
 In a synchronous run whose generator decodes on the learner's own module (the local
-runtime, ``rollout.engine: hf``, :class:`~rltune.rollout.fastpath.LeanDecoder`), the
-decode has already run every token the learner's forward will run, with the same
-weights: the prompt once per group, then each fed completion token. A training forward
-over those tokens repeats the decode's matrix products. With a record kept, the
+runtime, ``rollout.engine: hf``, :class:`~rltune.rollout.fastpath.LeanDecoder`, eager or
+with ``rollout.compile``), the decode has already run every token the learner's forward
+will run, with the same weights: the prompt once per group, then each fed completion
+token. A training forward over those tokens repeats the decode's matrix products. With a record kept, the
 learner's lean forward (:mod:`rltune.models.lean_forward`) takes each projection's output
 from the record instead of computing it (:class:`Replayed`); everything between the
 products (norms, rotary, attention, SiLU) runs again, so autograd has the graph it

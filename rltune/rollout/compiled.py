@@ -188,52 +188,58 @@ _FAKES: set[str] = set()
 def static_step(
     tokens: torch.Tensor, slot: torch.Tensor, embed: torch.Tensor, layers: tuple[tuple[Any, ...], ...],
     head: tuple[torch.Tensor, float, torch.Tensor], caches: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float],
-) -> torch.Tensor:
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float, bool],
+) -> torch.Tensor | tuple[torch.Tensor, tuple[tuple[torch.Tensor, ...], ...]]:
     """One decode step of ``tokens [R]`` at cache slot ``slot`` (0-dim long) over the whole
-    static cache; returns the next logits ``[R, V]``. ``layers``: per layer ``(norm1, eps1,
+    static cache; returns the next logits ``[R, V]``, and with ``keep`` (the last of
+    ``shape``) each layer's outputs for the learner (:mod:`rltune.models.replay`: q/k/v,
+    after attention, gate/up, after the MLP). ``layers``: per layer ``(norm1, eps1,
     q, k, v, o, norm2, eps2, gate, up, down)`` with ``q..o`` as ``(weight, bias)``;
     ``head``: ``(norm, eps, lm_head)``; ``caches``: per layer ``(keys, values)``, written
     in place; ``tables``: ``(valid [R, S] bool, cos, sin [R, 1, S, D])``; ``shape``:
-    ``(head_dim, query groups per kv head, attention scale)``."""
+    ``(head_dim, query groups per kv head, attention scale, keep)``."""
     valid, cos_all, sin_all = tables
-    head_dim, groups, scale = shape
+    head_dim, groups, scale, keep = shape
     rows = tokens.shape[0]
     index = slot.view(1)
     cos, sin = cos_all.index_select(2, index), sin_all.index_select(2, index)
     attend = (valid & (torch.arange(valid.shape[1], device=valid.device) <= slot))[:, None, None, :]
     h = F.embedding(tokens.unsqueeze(-1), embed)
+    kept = []
     for (norm1, eps1, q_w, k_w, v_w, o_w, norm2, eps2, gate, up, down), (keys, values) in zip(layers, caches):
         a = rms_norm(h, norm1, eps1)
-        q = F.linear(a, *q_w).view(rows, 1, -1, head_dim).transpose(1, 2)
-        k = F.linear(a, *k_w).view(rows, 1, -1, head_dim).transpose(1, 2)
-        v = F.linear(a, *v_w).view(rows, 1, -1, head_dim).transpose(1, 2)
+        projected = [F.linear(a, *w) for w in (q_w, k_w, v_w)]
+        q, k, v = (x.view(rows, 1, -1, head_dim).transpose(1, 2) for x in projected)
         keys.index_copy_(2, index, rotate(k, cos, sin))
         values.index_copy_(2, index, v)
         q = rotate(q, cos, sin).reshape(rows, -1, groups, head_dim)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=scale)
-        h = h + F.linear(out.reshape(rows, 1, -1), *o_w)
-        m = rms_norm(h, norm2, eps2)
-        h = h + F.linear(F.silu(F.linear(m, gate)) * F.linear(m, up), down)
+        after_attention = h + F.linear(out.reshape(rows, 1, -1), *o_w)
+        m = rms_norm(after_attention, norm2, eps2)
+        gated, upped = F.linear(m, gate), F.linear(m, up)
+        h = after_attention + F.linear(F.silu(gated) * upped, down)
+        if keep:
+            kept.append((torch.cat(projected, -1), after_attention, torch.cat((gated, upped), -1), h))
     norm, eps, lm_head = head
-    return F.linear(rms_norm(h[:, -1], norm, eps), lm_head)
+    logits = F.linear(rms_norm(h[:, -1], norm, eps), lm_head)
+    return (logits, tuple(kept)) if keep else logits
 
 
 def packed_step(
     tokens: torch.Tensor, slot: torch.Tensor, embed: torch.Tensor, layers: tuple[tuple[Any, ...], ...],
     head: tuple[torch.Tensor, float, torch.Tensor], caches: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float, int, str],
-) -> torch.Tensor:
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor], shape: tuple[int, int, float, int, str, bool],
+) -> torch.Tensor | tuple[torch.Tensor, tuple[tuple[torch.Tensor, ...], ...]]:
     """:func:`static_step` on a CPU in float32, in the form of the eager one-query step
     (``LeanDecoder._one_query``): ``layers`` per layer ``(norm1, eps1, qkv, qkv_bias, o,
     o_bias, norm2, eps2, gate_up, down)``, the fused weights packed for ``kernel``;
     ``tables``: ``(key_bias [R kv_heads, 1, S], cos, sin [R, 1, S, D])``, the bias 0 at
     a valid or later slot and ``-inf`` at a padded prompt slot; ``shape``: ``(head_dim,
-    query groups per kv head, attention scale, kv heads, kernel)``, the kernel
-    ``"fewrows"`` or ``"onednn"`` (:class:`~rltune.rollout.fastpath._Linear`). Slots after
-    ``slot`` get ``-inf`` here."""
+    query groups per kv head, attention scale, kv heads, kernel, keep)``, the kernel
+    ``"fewrows"`` or ``"onednn"`` (:class:`~rltune.rollout.fastpath._Linear`), ``keep`` as
+    :func:`static_step`'s. Slots after ``slot`` get ``-inf`` here."""
     key_bias, cos_all, sin_all = tables
-    head_dim, groups, scale, kv_heads, kernel = shape
+    head_dim, groups, scale, kv_heads, kernel, keep = shape
     rows, width = tokens.shape[0], embed.shape[1]
     q_heads = kv_heads * groups
     slots = key_bias.shape[-1]
@@ -249,20 +255,26 @@ def packed_step(
     else:
         linear, linear_add = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._linear_pointwise.binary
     h = F.embedding(tokens, embed)
+    kept = []
     for (norm1, eps1, qkv, qkv_bias, o, o_bias, norm2, eps2, gate_up, down), (keys, values) in zip(layers, caches):
         a = F.rms_norm(h, (width,), norm1, eps1)
-        heads = linear(a, qkv, qkv_bias, "none", [], "").view(rows, -1, head_dim)
+        projected = linear(a, qkv, qkv_bias, "none", [], "")
+        heads = projected.view(rows, -1, head_dim)
         qk = rotate(heads[:, : q_heads + kv_heads], cos, sin)  # q and k in one call
         keys.index_copy_(2, index, qk[:, q_heads:].unsqueeze(2))
         values.index_copy_(2, index, heads[:, q_heads + kv_heads:].unsqueeze(2))
         q = qk[:, :q_heads].reshape(rows * kv_heads, groups, head_dim)
         scores = torch.baddbmm(bias, q, keys.view(rows * kv_heads, slots, head_dim).transpose(1, 2), alpha=scale)
         out = torch.bmm(scores.softmax(-1), values.view(rows * kv_heads, slots, head_dim)).view(rows, -1)
-        h = linear_add(out, h, o, o_bias, "add")
-        gate, up = linear(F.rms_norm(h, (width,), norm2, eps2), gate_up, None, "none", [], "").chunk(2, dim=-1)
-        h = linear_add(F.silu(gate) * up, h, down, None, "add")
+        after_attention = linear_add(out, h, o, o_bias, "add")
+        gated = linear(F.rms_norm(after_attention, (width,), norm2, eps2), gate_up, None, "none", [], "")
+        gate, up = gated.chunk(2, dim=-1)
+        h = linear_add(F.silu(gate) * up, after_attention, down, None, "add")
+        if keep:
+            kept.append((projected, after_attention, gated, h))
     norm, eps, lm_head = head
-    return F.linear(F.rms_norm(h, (width,), norm, eps), lm_head)
+    logits = F.linear(F.rms_norm(h, (width,), norm, eps), lm_head)
+    return (logits, tuple(kept)) if keep else logits
 
 
 class CompiledStep:
@@ -314,7 +326,7 @@ class CompiledStep:
                 for l, f in zip(decoder.layers, decoder.fused)
             ),
             (decoder.norm, decoder.norm_eps, decoder.lm_head),
-            (decoder.head_dim, decoder.groups, decoder.scale, kv_heads, packed),
+            (decoder.head_dim, decoder.groups, decoder.scale, kv_heads, packed, decoder.record is not None),
         ) if packed else None
 
     def _allocate(self, key: tuple) -> None:
@@ -338,18 +350,28 @@ class CompiledStep:
         self._key = key
 
     def step(self, decoder: "LeanDecoder", tokens: torch.Tensor) -> torch.Tensor:
-        """The next logits ``[R, V]`` after ``tokens [R]`` at ``decoder``'s current slot."""
+        """The next logits ``[R, V]`` after ``tokens [R]`` at ``decoder``'s current slot;
+        with the decoder keeping its forward, each layer's outputs go to its record."""
         self.slot.fill_(decoder._t)
+        record = decoder.record
+        mode = None
         if self._packed_args is not None:
             layers, head, shape = self._packed_args
-            return compiled_packed_fn()(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
-        layers = tuple(
-            (l.norm1, l.eps1, l.q, l.k, l.v, l.o, l.norm2, l.eps2, l.gate, l.up, l.down) for l in decoder.layers
-        )
-        head = (decoder.norm, decoder.norm_eps, decoder.lm_head)
-        shape = (decoder.head_dim, decoder.groups, decoder.scale)
-        mode = compile_mode(tokens.device)
-        logits = compiled_step_fn(mode)(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
+            out = compiled_packed_fn()(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables, shape)
+        else:
+            layers = tuple(
+                (l.norm1, l.eps1, l.q, l.k, l.v, l.o, l.norm2, l.eps2, l.gate, l.up, l.down) for l in decoder.layers
+            )
+            head = (decoder.norm, decoder.norm_eps, decoder.lm_head)
+            shape = (decoder.head_dim, decoder.groups, decoder.scale, record is not None)
+            mode = compile_mode(tokens.device)
+            out = compiled_step_fn(mode)(tokens, self.slot, decoder.embed, layers, head, self.caches, self.tables,
+                                         shape)
+        logits = out
+        if record is not None:  # copied out at once: a CUDA graph's next replay overwrites them
+            logits, kept = out
+            for index, outputs in enumerate(kept):
+                record.put_step(index, outputs)
         # a CUDA graph's output lives in the graph's memory and the next replay overwrites it
         return logits.clone() if mode == "reduce-overhead" else logits
 

@@ -235,7 +235,7 @@ class LeanDecoder:
         count, among those that run here); naming one implies ``pack=True``.
         ``keep_forward``: keep each token's projection outputs for the learner's forward
         (:mod:`rltune.models.replay`), where the model keeps records, in float32 without
-        autocast, and the steps are eager."""
+        autocast."""
         if not supports_fastpath(model):
             raise ValueError(f"{type(model).__name__} with this config is not supported by LeanDecoder")
         if max_new_tokens < 1:
@@ -264,7 +264,7 @@ class LeanDecoder:
         self.pack = pack
         self.fused: list[_Fused] = []
         self.key_bias: torch.Tensor | None = None
-        self.keep_forward = keep_forward and compiled is None
+        self.keep_forward = keep_forward
         self.record: replay.Record | None = None
         self._t = 0
 
@@ -342,20 +342,17 @@ class LeanDecoder:
             self.record.tokens[:, t - self.record.prompt_ids.shape[1]] = tokens
         if self.compiled is not None:
             logits = self.compiled.step(self, tokens)
-            self._t = t + 1
-            return logits
-        if self.key_bias is not None:
+        elif self.key_bias is not None:
             h = self._one_query(F.embedding(tokens, self.embed), t)
-            self._t = t + 1
-            if self.record is not None:
-                self.record.fed += 1
-            return F.linear(F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps), self.lm_head)
-        x = F.embedding(tokens.unsqueeze(-1), self.embed)
-        h = self._forward(x, self.valid[:, None, None, : t + 1], t, t + 1)
+            logits = F.linear(F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps), self.lm_head)
+        else:
+            x = F.embedding(tokens.unsqueeze(-1), self.embed)
+            h = self._forward(x, self.valid[:, None, None, : t + 1], t, t + 1)
+            logits = F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
         self._t = t + 1
         if self.record is not None:
             self.record.fed += 1
-        return F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
+        return logits
 
     def _forward(self, h: torch.Tensor, attend: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Positions ``start:end`` through every layer; ``attend [R, 1, T|1, end]`` bool."""

@@ -109,30 +109,69 @@ def test_a_kept_forward_gives_the_forwards_logprobs_and_gradients(model, tokeniz
         assert (got[0][r, :c] - rollouts[row].completion_logprobs).abs().max().item() < LOGP_TOL
 
 
-def test_the_decoders_general_step_keeps_the_same_outputs(model, tokenizer) -> None:
-    """Off the CPU or in bf16 the decoder steps through its general forward (not the
-    one-query path); recording there gives the same values."""
+def decode_records(model, tokenizer, **decoder) -> list[torch.Tensor]:
+    """Every kept output of a LeanDecoder(``decoder``) over two prompts, two rows each,
+    four fed tokens."""
     from rltune.rollout.fastpath import LeanDecoder
 
     replay.keep_records(model, BUDGET)
     batch = prompts(tokenizer)
     ids, mask = join([torch.tensor(p.input_ids) for p in batch], [torch.zeros(0, dtype=torch.long)] * 2,
                      tokenizer.pad_token_id)[:2]
-    kept = []
-    for general in (False, True):
-        replay.forget(model)
-        decoder = LeanDecoder(model.eval(), max_new_tokens=5, keep_forward=True)
-        with torch.inference_mode():
-            decoder.prefill(ids, mask, repeats=2)
-            if general:
-                decoder.key_bias = None  # as off the CPU: the step runs _forward
-            for token in (5, 9, 11, 40):
-                decoder.step(torch.full((4,), token))
-        record = replay.store_of(model).records[-1]
-        assert record.fed == 4
-        kept.append([t.clone() for layer in record.layers for t in layer.steps])
-    for a, b in zip(*kept):
-        assert (a - b).abs().max().item() < 1e-4 * max(1.0, b.abs().max().item())
+    general = decoder.pop("general", False)
+    steps = LeanDecoder(model.eval(), max_new_tokens=5, keep_forward=True, **decoder)
+    with torch.inference_mode():
+        steps.prefill(ids, mask, repeats=2)
+        if general:
+            steps.key_bias = None  # as off the CPU: the step runs the general _forward
+        for token in (5, 9, 11, 40):
+            steps.step(torch.full((4,), token))
+    record = replay.store_of(model).records[-1]
+    assert record.fed == 4
+    return [t.clone() for layer in record.layers for t in (*layer.prompt, *layer.steps)]
+
+
+@pytest.fixture
+def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollout.compile's static-cache steps run eagerly: their arithmetic without a compile."""
+    from rltune.rollout import compiled
+
+    monkeypatch.setattr(compiled, "compiled_step_fn", lambda mode: compiled.static_step)
+    monkeypatch.setattr(compiled, "compiled_packed_fn", lambda: compiled.packed_step)
+
+
+@pytest.mark.parametrize("path", ["general", "static-fewrows", "static-onednn", "static-plain"])
+def test_every_decode_step_keeps_the_same_outputs(model, tokenizer, uncompiled, require_fewrows, path) -> None:
+    """The general step (off the CPU, or in bf16) and rollout.compile's static-cache steps
+    (on packed weights, or the plain one) keep what the CPU's eager one-query step keeps,
+    to float32 rounding (1e-5 of each output's largest entry: the same products summed
+    in another order)."""
+    from rltune.rollout.compiled import CompiledStep
+
+    if path == "static-fewrows":
+        require_fewrows()
+    options = {"general": {"general": True}, "static-fewrows": {"kernel": "fewrows"},
+               "static-onednn": {"kernel": "onednn"}, "static-plain": {"pack": False}}[path]
+    if path.startswith("static"):
+        options["compiled"] = CompiledStep()
+    want = decode_records(model, tokenizer)
+    got = decode_records(model, tokenizer, **options)
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+
+
+@pytest.mark.slow
+def test_a_compiled_decode_keeps_its_outputs_for_the_learner(model, tokenizer) -> None:
+    """torch.compile itself (rollout.compile: a first compile of ~20 s): the compiled
+    step's kept outputs serve the learner's forward as the eager ones do."""
+    replay.keep_records(model, BUDGET)
+    generator = HFGenerator(model, tokenizer, rng=torch.Generator().manual_seed(3), compile=True)
+    rollouts = generator.generate(prompts(tokenizer), SamplingParams(n=4, max_new_tokens=10, stop=STOPS))
+    ids, mask, prompt_len = join([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
+                                 tokenizer.pad_token_id)
+    got = lean_step(model, ids, mask, prompt_len)
+    assert replay.store_of(model).take_counts() == (len(ids), 0)
+    assert_close(got, hf_step(model, ids, mask, prompt_len), mask[:, prompt_len:])
 
 
 def test_rows_not_generated_run_the_whole_forward(model, tokenizer) -> None:
