@@ -23,7 +23,7 @@ from rltune.learner.selective import select_rows
 from rltune.metrics import keys
 from rltune.metrics.types import Aggregator, Last, Mean, Metric, Sum
 from rltune.models.load import is_moe
-from rltune.models.replay import replayed_metrics
+from rltune.models.replay import forget, replayed_metrics
 from rltune.models.routing import agreement_metrics, expert_load_metrics, update_routing_bias
 from rltune.models.shared_prompt import shares_prompts
 
@@ -150,7 +150,8 @@ class LocalLearner:
         if selection is not None:
             measured.update(selection.metrics())
         measured.update(replayed_metrics(self.model))
-        applied = self._apply_gradients()  # the same on every rank: not combined
+        applied = self._apply_gradients()
+        forget(self.model)  # the decode's records are of the old weights (an offloaded optimizer steps copies)  # the same on every rank: not combined
         result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:
             load = self.parallelism.sum(load)

@@ -33,8 +33,11 @@ only when each of its rows is a recorded row, matched by its tokens (prompt and 
 completion, the prompt's left padding alike), in float32 without autocast and without
 activation checkpointing; otherwise it runs in full. Memory: the records of one step's
 generations are kept until the step's optimizer step, up to the budget ``keep_records``
-was given (``train.reuse_rollout_mb``), the oldest dropped first; a generation whose
-record alone would pass it keeps none.
+was given (``train.reuse_rollout_mb``), the oldest dropped first to make room; a
+generation whose record alone would pass it (sized for ``max_new_tokens``) keeps none
+and drops nothing. A held-out evaluation's generations on the module are kept too (no
+training forward reads them; a generation that needs their room evicts them first, and
+the learner's next step drops them).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class Record:
     tokens: torch.Tensor
     layers: list[LayerRecord]
     fed: int = 0
+    ready: bool = False
+    """Set once the prefill has filled the prompt outputs: a record is matched only then."""
 
     def put_prompt(self, layer: int, outputs: tuple[torch.Tensor, ...]) -> None:
         for kept, value in zip(self.layers[layer].prompt, outputs):
@@ -103,6 +108,12 @@ class RecordStore:
         return sum(t.numel() * t.element_size() for r in self.records for layer in r.layers
                    for t in (*layer.prompt, *layer.steps))
 
+    def __reduce__(self) -> tuple:
+        """A copy (``copy.deepcopy`` of the model, pickling) is an empty store of the same
+        budget owned by no model: the records are the original's weights', and an
+        ownerless store's records are dropped at any optimizer step."""
+        return RecordStore, (self.budget_bytes, _no_owner)
+
     def take_counts(self) -> tuple[int, int]:
         """``(replayed, full)`` training rows since the last call."""
         counts = (self.replayed_rows, self.full_rows)
@@ -121,19 +132,25 @@ def keep_records(model: nn.Module, budget_bytes: int) -> None:
         _HOOKED.append(register_optimizer_step_post_hook(_forget_stepped))
 
 
-_STORES: list[RecordStore] = []
+def _no_owner() -> None:
+    return None
+
+
+_STORES: weakref.WeakSet[RecordStore] = weakref.WeakSet()
 """Every store that holds records, for the optimizer hook."""
 
 
 def _forget_stepped(optimizer: torch.optim.Optimizer, *_: object) -> None:
     """After ``optimizer``'s step: drop the records of every model it has a parameter of
-    (another model's, a critic's say, stay)."""
+    (another model's, a critic's say, stay). An optimizer that steps copies of the
+    parameters (host offload) is not seen here; the learner drops its model's records
+    after each step itself (:func:`forget`)."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for store in list(_STORES):
         owner = store.owner()
         if owner is None or any(id(p) in stepped for p in owner.parameters()):
             store.records.clear()
-            _STORES.remove(store)
+            _STORES.discard(store)
 
 
 def store_of(model: nn.Module) -> RecordStore | None:
@@ -160,10 +177,10 @@ def start_record(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, repeat
     units, width = ids.shape
     rows = units * repeats
     need = (units * width + rows * steps) * sum(widths) * layers * 4
+    if need > store.budget_bytes:
+        return None  # sized for max_new_tokens: the older records stay
     while store.records and store.used_bytes() + need > store.budget_bytes:
         store.records.pop(0)  # the oldest first: a step learns on its latest generations
-    if need > store.budget_bytes:
-        return None
     # made outside inference mode: the learner's autograd graph takes them as inputs
     with torch.inference_mode(False):
         def kept(*shape: int) -> torch.Tensor:
@@ -175,8 +192,7 @@ def start_record(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, repeat
                     for _ in range(layers)],
         )
     store.records.append(record)
-    if store not in _STORES:
-        _STORES.append(store)
+    _STORES.add(store)
     return record
 
 
@@ -214,7 +230,7 @@ def _match(record: Record, ids: torch.Tensor, mask: torch.Tensor, prompt_len: in
     row's."""
     width = record.prompt_ids.shape[1]
     fed = ids.shape[1] - prompt_len - 1
-    if prompt_len > width or fed > record.fed or ids.device != record.tokens.device:
+    if not record.ready or prompt_len > width or fed > record.fed or ids.device != record.tokens.device:
         return None
     n = record.repeats
     kept_mask = record.prompt_mask.repeat_interleave(n, 0)

@@ -330,6 +330,8 @@ class LeanDecoder:
                       2 * layer.gate.shape[0], x.shape[-1])
             self.record = replay.start_record(self.model, ids, mask, repeats, steps, widths, len(self.layers))
         h = self._forward(x, attend.unsqueeze(1), 0, width)
+        if self.record is not None:
+            self.record.ready = True
         return F.linear(rms_norm(h[:, -1], self.norm, self.norm_eps), self.lm_head)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,13 @@ from rltune.checkpoint.model import frozen_fingerprint
 from rltune.config import Config, ConfigError
 from rltune.data.records import TrainBatch
 from rltune.learner.learner import LocalLearner
+from rltune.learner.precision import generator_precision
 from rltune.learner.memory import MemorySettingError
 from rltune.learner.pair_scoring import learner_pair_outputs, learner_weights_fingerprint
 from rltune.learner.parallel import NoParallelism
 from rltune.metrics.types import MetricLike
 from rltune.models import replay
+from rltune.models.lean_forward import supports_lean_forward
 from rltune.models.load import resolve_model
 from rltune.models.lora import adapters_disabled, is_lora
 from rltune.rewards.scorer import LocalScorer, RewardFn
@@ -161,6 +163,16 @@ def local_device(cfg: Config) -> torch.device:
     return device
 
 
+def reuse_applies(cfg: Config, model: torch.nn.Module) -> bool:
+    """Whether the learner's forward can take the products of a decode on ``model``
+    (``train.reuse_rollout_mb``, :mod:`rltune.models.replay`): learner and sampler in
+    float32, no activation checkpointing or ``train.compile``, a model the lean forward
+    runs. Elsewhere the decoder keeps nothing (what it kept would never be read)."""
+    t = cfg.train
+    return (t.reuse_rollout_mb > 0 and t.precision == "fp32" and generator_precision(cfg) == "fp32"
+            and t.activation_checkpointing == "none" and not t.compile and supports_lean_forward(model))
+
+
 class LocalRoles:
     """Every role in this process (:class:`rltune.runtime.roles.Roles`), its models on
     ``device`` (None: where they load). The generator runs on the learner's module
@@ -186,7 +198,7 @@ class LocalRoles:
         if cfg.rollout.engine == "hf" and not self.shares_weights(cfg):
             # the producer generates on its own copy while the learner updates the original
             model = copy.deepcopy(model).eval()
-        elif model is not None and self.shares_weights(cfg):
+        elif model is not None and self.shares_weights(cfg) and reuse_applies(cfg, model):
             replay.keep_records(model, cfg.train.reuse_rollout_mb << 20)  # the learner's forward reuses the decode's
         return make_generator(cfg, model_dir, model, tokenizer, rng, make_env)
 

@@ -32,6 +32,7 @@ from rltune.checkpoint.store import (
     save_checkpoint,
     set_aside,
 )
+from rltune.models.replay import forget
 from rltune.runtime.resumable import REFERENCE, check_resumable
 from rltune.runtime.rundir import check_recorded_meaning, checkpoints_of
 
@@ -256,6 +257,7 @@ def apply_learner_state(learner, tensors: dict, meta: dict, path: Path, prefix: 
         model_from_state(learner.model, tensors[f"{prefix}model"], model_meta, where=f"{path} ({prefix}model)")
         optimizer_from_state(learner.optimizer, tensors[f"{prefix}optimizer"], meta[f"{prefix}optimizer"])
     scheduler_from_state(learner.schedule, meta[f"{prefix}scheduler"])
+    forget(learner.model)  # loaded in place: records of the weights before are stale
     counters = meta[f"{prefix}learner"]
     learner.version = counters["version"]
     learner.nonfinite_in_a_row = counters["nonfinite_in_a_row"]
