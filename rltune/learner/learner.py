@@ -150,8 +150,8 @@ class LocalLearner:
         if selection is not None:
             measured.update(selection.metrics())
         measured.update(replayed_metrics(self.model))
-        applied = self._apply_gradients()
-        forget(self.model)  # the decode's records are of the old weights (an offloaded optimizer steps copies)  # the same on every rank: not combined
+        applied = self._apply_gradients()  # the same on every rank: not combined
+        forget(self.model)  # the decode's records are of the old weights (an offloaded optimizer steps copies)
         result = {**self.parallelism.all_reduce_metrics(measured), **applied}
         if load is not None:
             load = self.parallelism.sum(load)

@@ -4,12 +4,12 @@ In a synchronous run whose generator decodes on the learner's own module (the lo
 runtime, ``rollout.engine: hf``, :class:`~rltune.rollout.fastpath.LeanDecoder`, eager or
 with ``rollout.compile``), the decode has already run every token the learner's forward
 will run, with the same weights: the prompt once per group, then each fed completion
-token. A training forward over those tokens repeats the decode's matrix products. With a record kept, the
-learner's lean forward (:mod:`rltune.models.lean_forward`) takes each projection's output
-from the record instead of computing it (:class:`Replayed`); everything between the
-products (norms, rotary, attention, SiLU) runs again, so autograd has the graph it
-needs, and the backward is the usual one: for ``y = x Wᵀ + b`` it needs ``x`` and ``W``,
-never ``y``'s product.
+token. A training forward over those tokens repeats the decode's matrix products. With
+a record kept, the learner's lean forward (:mod:`rltune.models.lean_forward`) takes
+each projection's output from the record instead of computing it (:class:`Replayed`);
+everything between the products (norms, rotary, attention, SiLU) runs again, so
+autograd has the graph it needs, and the backward is the usual one: for
+``y = x Wᵀ + b`` it needs ``x`` and ``W``, never ``y``'s product.
 
 Per decoder layer the record holds four outputs of every token: the q/k/v projections
 side by side (before rotary), the hidden state after the attention's residual addition,
@@ -25,10 +25,11 @@ against the learner's batched GEMM; measured ~1e-6 relative). In exchange the
 learner's log-probs equal the sampler's, so ``logprob_mismatch`` is ~0 on replayed rows
 (the head's rounding).
 
-When a record is used: only while the weights are those it was made with. A step of
-any ``torch.optim`` optimizer over the model's parameters (seen by a global step hook;
-a critic's optimizer leaves the policy's records) and a weight load into the generator
-drop the model's records; a later forward then runs in full. A micro-batch is replayed
+When a record is used: only while the weights are those it was made with. The learner
+drops its model's records after each step (:func:`forget`), as do a checkpoint loaded
+into it, a weight load into the generator, and a step of any other ``torch.optim``
+optimizer over the model's parameters (a global step hook; a critic's optimizer leaves
+the policy's records); a later forward then runs in full. A micro-batch is replayed
 only when each of its rows is a recorded row, matched by its tokens (prompt and fed
 completion, the prompt's left padding alike), in float32 without autocast and without
 activation checkpointing; otherwise it runs in full. Memory: the records of one step's
@@ -255,15 +256,14 @@ def gather(match: Match, layer: int, prompt_rows: torch.Tensor | None, prompt_le
     record, rows = match.record, match.rows
     kept = record.layers[layer]
     width = record.prompt_ids.shape[1]
-    units = rows // record.repeats
+    units = rows // record.repeats  # each row's prompt in the record
+    prompts = units if whole_rows else units.index_select(0, prompt_rows)
     out = []
     for prompt, steps in zip(kept.prompt, kept.steps):
-        prompt = prompt[:, width - prompt_len:]
-        if whole_rows:
-            flat = torch.cat([prompt.index_select(0, units), steps.index_select(0, rows)[:, :fed]], dim=1)
-        else:
-            flat = torch.cat([prompt.index_select(0, units.index_select(0, prompt_rows)).flatten(0, 1),
-                              steps.index_select(0, rows)[:, :fed].flatten(0, 1)])
+        prompt = prompt[:, width - prompt_len:].index_select(0, prompts)
+        steps = steps[:, :fed].index_select(0, rows)
+        parts = [prompt, steps] if whole_rows else [prompt.flatten(0, 1), steps.flatten(0, 1)]
+        flat = torch.cat(parts, dim=1 if whole_rows else 0)
         out.append(flat.reshape(-1, flat.shape[-1]))
     return tuple(out)
 
