@@ -35,7 +35,10 @@ and gate/up are packed from their own tensors, not concatenated first); above th
 where that kernel cannot be built, into oneDNN's blocked layout for the decode's row
 count (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing
 uses), whose GEMM is faster once the product is compute-bound. Only the float32
-summation order changes. On a CPU without
+summation order changes. On the fewrows panels a one-token step runs each layer as one
+native call (:func:`~rltune.rollout.fewrows.decode_layer`), the same arithmetic without
+an ATen dispatch for each of its norms, rotations, attention and activation: 20-25 %
+off a 25 M step (``docs/performance.md``). On a CPU without
 packing (bf16, autocast) the products stay separate: concatenated but unpacked they were
 0-7 % slower there. They are rebuilt
 at every prefill, i.e. once per generate call, from the live parameters: in an RL loop
@@ -266,6 +269,7 @@ class LeanDecoder:
         self.key_bias: torch.Tensor | None = None
         self.keep_forward = keep_forward
         self.record: replay.Record | None = None
+        self.native = False
         self._t = 0
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, *, repeats: int = 1) -> torch.Tensor:
@@ -305,6 +309,8 @@ class LeanDecoder:
         # fused products are 0-7 % slower than separate ones); elsewhere it saves launches
         fuse = pack or self.embed.device.type != "cpu"
         self.fused = [_fuse(layer, fuse=fuse, kernel=kernel, rows=rows * repeats) for layer in self.layers]
+        # every product on fewrows' panels: the one-query step runs a layer in one native call
+        self.native = kernel == "fewrows"
         x = F.embedding(ids, self.embed)
         kv_heads = self.layers[0].k[0].shape[0] // self.head_dim
         shape = (rows, kv_heads, total, self.head_dim)
@@ -373,7 +379,8 @@ class LeanDecoder:
         """Position ``t`` of every row through every layer, on a CPU in float32: ``h [R, H]``.
 
         :meth:`_forward`'s arithmetic for one query, in fewer and cheaper calls, which is
-        what a small model's decode step costs on a CPU. The attention is two batched
+        what a small model's decode step costs on a CPU; on fewrows-packed weights each
+        layer is one native call instead (:meth:`_native_layers`). The attention is two batched
         products over the cache, with (row, kv head) pairs as the batch and a kv head's
         group of query heads as its rows: the first (``baddbmm``) adds the padded keys'
         ``-inf``, a softmax runs between them. SDPA's CPU kernel costs several times that
@@ -386,6 +393,8 @@ class LeanDecoder:
         kv_heads = self.keys[0].shape[1]
         q_heads = kv_heads * self.groups
         cos, sin = self.cos[:, :, t], self.sin[:, :, t]  # [R, 1, D], one row per head
+        if self.native and rows <= FEW_ROWS:
+            return self._native_layers(h, t, cos[:, 0], sin[:, 0])
         bias = self.key_bias[:, :, : t + 1]
         for index, (layer, fused, keys, values) in enumerate(zip(self.layers, self.fused, self.keys, self.values)):
             a = F.rms_norm(h, (width,), layer.norm1, layer.eps1)
@@ -403,6 +412,19 @@ class LeanDecoder:
             h = fused.down.add_to(F.silu(gate) * up, after_attention)
             if self.record is not None:
                 self.record.put_step(index, (heads, after_attention, gate_up, h))
+        return h
+
+    def _native_layers(self, h: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`_one_query`'s layers, each one native call on the fewrows-packed weights
+        (:func:`~rltune.rollout.fewrows.decode_layer`: the same arithmetic without an ATen
+        dispatch per step of it)."""
+        for index, (layer, fused, keys, values) in enumerate(zip(self.layers, self.fused, self.keys, self.values)):
+            qkv, gate_up = fused.qkv.linears[0], fused.gate_up.linears[0]
+            h, heads, after_attention, joined = fewrows.decode_layer(
+                h, layer.norm1, layer.eps1, qkv.weight, qkv.bias, keys, values, self.key_bias, cos, sin, t,
+                self.scale, fused.o.weight, fused.o.bias, layer.norm2, layer.eps2, gate_up.weight, fused.down.weight)
+            if self.record is not None:
+                self.record.put_step(index, (heads.view(h.shape[0], -1, self.head_dim), after_attention, joined, h))
         return h
 
     def _attention(

@@ -1,5 +1,6 @@
 // y = x W^T (+ bias) (+ residual) in float32 for a few rows of x: the decode step's products,
-// as the torch operators rltune::fewrows_pack and rltune::fewrows_linear.
+// as the torch operators rltune::fewrows_pack and rltune::fewrows_linear; and a whole decoder
+// layer for one new token a row on those products, rltune::fewrows_decode_layer (at the end).
 //
 // A decode step multiplies a handful of rows (the batch's sequences) by every weight of
 // the model, reading each weight once for two flops per row: the product is bound by how
@@ -18,6 +19,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -199,14 +201,204 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   return y;
 }
 
+
+// ---- One decoder layer for one new token of every row (fewrows_decode_layer) ----
+//
+// LeanDecoder._one_query's arithmetic for one layer (rltune/rollout/fastpath.py): RMSNorm,
+// the q/k/v product, rotary on q and k, k and v written into the cache at slot t, attention
+// of each query head over slots 0..t (padded slots, -inf in key_bias, skipped), the o
+// product plus the residual, RMSNorm, the gate/up product, silu(gate) * up, the down product
+// plus the residual. The products are fewrows_linear's; the rest is a few microseconds of
+// loops over the rows, where the same steps as ATen ops cost a dispatch each (about 2 ms a
+// token at 25 M). The same float32 arithmetic in another order: sums of squares and dot
+// products accumulate in another order, exp is the polynomial below (within 2 ulp of
+// expf), so outputs agree with the ATen steps to float32 rounding, not bit for bit.
+
+// exp(x) for every lane: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial,
+// 2^n through the exponent bits. x is clamped to [-87.3, 88.3], where 2^n is normal.
+vec exp_vec(vec x) {
+  typedef int32_t ivec __attribute__((vector_size(VW * sizeof(int32_t))));
+  x = x < 88.3762626647949f ? x : vec{} + 88.3762626647949f;
+  x = x > -87.3365478515625f ? x : vec{} - 87.3365478515625f;
+  vec fx = x * 1.44269504088896341f + 0.5f;
+  vec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);  // toward zero
+  fl += __builtin_convertvector(fl > fx, vec);                               // -1 where above: floor
+  x = x - fl * 0.693359375f + fl * 2.12194440e-4f;
+  vec y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x +
+           1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.0f;
+  ivec bits = (__builtin_convertvector(fl, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// x[i] = exp(x[i]) for n floats, the tail through a zero-padded vector.
+void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vec v;
+    std::memcpy(&v, x + i, sizeof v);
+    v = exp_vec(v);
+    std::memcpy(x + i, &v, sizeof v);
+  }
+  if (i < n) {
+    vec v = vec{};
+    std::memcpy(&v, x + i, (n - i) * sizeof(float));
+    v = exp_vec(v);
+    std::memcpy(x + i, &v, (n - i) * sizeof(float));
+  }
+}
+
+// sum of a[i] b[i] over n floats: VW lanes, two vector accumulators, then the lanes and the tail.
+float dot(const float* a, const float* b, int64_t n) {
+  vec s0 = vec{}, s1 = vec{};
+  int64_t i = 0;
+  for (; i + 2 * VW <= n; i += 2 * VW) {
+    vec a0, a1, b0, b1;
+    std::memcpy(&a0, a + i, sizeof a0);
+    std::memcpy(&a1, a + i + VW, sizeof a1);
+    std::memcpy(&b0, b + i, sizeof b0);
+    std::memcpy(&b1, b + i + VW, sizeof b1);
+    s0 += a0 * b0;
+    s1 += a1 * b1;
+  }
+  s0 += s1;
+  float total = 0.f;
+  for (int j = 0; j < VW; j++) total += s0[j];
+  for (; i < n; i++) total += a[i] * b[i];
+  return total;
+}
+
+// HF's RMSNorm in float32: x / sqrt(mean(x^2) + eps) * weight, a row of width h at a time.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty({rows, h}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; r++) {
+    float sum = dot(xs + r * h, xs + r * h, h);
+    float inv = 1.f / std::sqrt(sum / float(h) + float(eps));
+    for (int64_t i = 0; i < h; i++) o[r * h + i] = w[i] * (xs[r * h + i] * inv);
+  }
+  return out;
+}
+
+// Rotate-half rotary of one head's d values in place: x cos + [-x2, x1] sin.
+void rotate(float* x, const float* cos, const float* sin, int64_t d) {
+  int64_t half = d / 2;
+  float rotated[512];
+  for (int64_t i = 0; i < half; i++) {
+    rotated[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    rotated[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+  }
+  std::memcpy(x, rotated, d * sizeof(float));
+}
+
+// Attention of every query head of every row over cache slots 0..t; heads [R, (Hq + 2 KV) d]
+// holds the rotated queries first. out [R, Hq d].
+void attend(const float* heads, int64_t width, const at::Tensor& keys, const at::Tensor& values,
+            const float* key_bias, int64_t t, double scale, int64_t q_heads, float* out) {
+  int64_t rows = keys.size(0), kv = keys.size(1), slots = keys.size(2), d = keys.size(3);
+  int64_t groups = q_heads / kv;
+  const float* ks = keys.data_ptr<float>();
+  const float* vs = values.data_ptr<float>();
+  std::vector<float> p(t + 1);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < kv; g++) {
+      const float* bias = key_bias + (r * kv + g) * slots;
+      const float* kg = ks + ((r * kv + g) * slots) * d;
+      const float* vg = vs + ((r * kv + g) * slots) * d;
+      for (int64_t i = 0; i < groups; i++) {
+        int64_t head = g * groups + i;
+        const float* q = heads + r * width + head * d;
+        float top = -INFINITY;
+        for (int64_t j = 0; j <= t; j++) {
+          p[j] = std::isinf(bias[j]) ? -INFINITY : bias[j] + float(scale) * dot(q, kg + j * d, d);
+          top = p[j] > top ? p[j] : top;
+        }
+        for (int64_t j = 0; j <= t; j++) p[j] = std::isinf(p[j]) ? -200.f : p[j] - top;
+        exp_inplace(p.data(), t + 1);
+        float total = 0.f;
+        for (int64_t j = 0; j <= t; j++) {
+          if (std::isinf(bias[j])) p[j] = 0.f;
+          total += p[j];
+        }
+        float* o = out + r * q_heads * d + head * d;
+        for (int64_t e = 0; e < d; e++) o[e] = 0.f;
+        for (int64_t j = 0; j <= t; j++) {
+          float weight = p[j] / total;
+          for (int64_t e = 0; e < d; e++) o[e] += weight * vg[j * d + e];
+        }
+      }
+    }
+}
+
+// One layer (see above). h [R, H]; keys, values [R, KV, T, d] (slot t written here);
+// key_bias [R KV, 1, T] (0, or -inf at a padded slot); cos, sin [R, d] of this position;
+// qkv, o, gate_up, down packed by fewrows_pack. Returns {h after the layer, q/k/v as the
+// product gave them (before rotary), h after the attention's residual, gate/up}.
+std::vector<at::Tensor> decode_layer(const at::Tensor& h, const at::Tensor& norm1, double eps1, const at::Tensor& qkv,
+                                     const std::optional<at::Tensor>& qkv_bias, const at::Tensor& keys,
+                                     const at::Tensor& values, const at::Tensor& key_bias, const at::Tensor& cos,
+                                     const at::Tensor& sin, int64_t t, double scale, const at::Tensor& o,
+                                     const std::optional<at::Tensor>& o_bias, const at::Tensor& norm2, double eps2,
+                                     const at::Tensor& gate_up, const at::Tensor& down) {
+  for (const at::Tensor* x : {&h, &norm1, &keys, &values, &key_bias, &cos, &sin, &norm2}) check_float_cpu(*x, "input");
+  TORCH_CHECK(h.dim() == 2 && keys.dim() == 4 && values.sizes() == keys.sizes() && h.size(0) == keys.size(0),
+              "fewrows_decode_layer: h ", h.sizes(), " and the caches ", keys.sizes(), " do not fit");
+  int64_t rows = h.size(0), kv = keys.size(1), slots = keys.size(2), d = keys.size(3);
+  int64_t width = qkv.size(0), q_heads = width / d - 2 * kv;
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && d % 2 == 0 && d <= 512 && width % d == 0 &&
+                  q_heads > 0 && q_heads % kv == 0 && t >= 0 && t < slots,
+              "fewrows_decode_layer: caches ", keys.sizes(), ", q/k/v width ", width, ", slot ", t, " do not fit");
+  TORCH_CHECK(key_bias.numel() == rows * kv * slots && cos.numel() == rows * d && sin.numel() == rows * d,
+              "fewrows_decode_layer: key_bias ", key_bias.sizes(), " or cos/sin ", cos.sizes(), " do not fit");
+  at::Tensor hc = h.contiguous(), bias = key_bias.contiguous(), cs = cos.contiguous(), sn = sin.contiguous();
+  at::Tensor heads = linear(rms_norm(hc, norm1.contiguous(), eps1), qkv, qkv_bias, std::nullopt);
+  at::Tensor rotated = heads.clone();
+  float* hr = rotated.data_ptr<float>();
+  float* ks = keys.data_ptr<float>();
+  float* vs = values.data_ptr<float>();
+  for (int64_t r = 0; r < rows; r++) {
+    const float* c = cs.data_ptr<float>() + r * d;
+    const float* s = sn.data_ptr<float>() + r * d;
+    for (int64_t head = 0; head < q_heads + kv; head++) rotate(hr + r * width + head * d, c, s, d);
+    for (int64_t g = 0; g < kv; g++) {
+      std::memcpy(ks + (((r * kv + g) * slots) + t) * d, hr + r * width + (q_heads + g) * d, d * sizeof(float));
+      std::memcpy(vs + (((r * kv + g) * slots) + t) * d, hr + r * width + (q_heads + kv + g) * d, d * sizeof(float));
+    }
+  }
+  at::Tensor attention = at::empty({rows, q_heads * d}, h.options());
+  attend(hr, width, keys, values, bias.data_ptr<float>(), t, scale, q_heads, attention.data_ptr<float>());
+  at::Tensor after_attention = linear(attention, o, o_bias, hc);
+  at::Tensor projected = linear(rms_norm(after_attention, norm2.contiguous(), eps2), gate_up, std::nullopt, std::nullopt);
+  int64_t inner = projected.size(1) / 2;
+  at::Tensor act = at::empty({rows, inner}, h.options());
+  const float* gu = projected.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; r++) {  // silu(gate) * up = gate * up / (1 + exp(-gate))
+    for (int64_t i = 0; i < inner; i++) a[r * inner + i] = -gu[r * 2 * inner + i];
+    exp_inplace(a + r * inner, inner);
+    for (int64_t i = 0; i < inner; i++)
+      a[r * inner + i] = gu[r * 2 * inner + i] / (1.f + a[r * inner + i]) * gu[r * 2 * inner + inner + i];
+  }
+  return {linear(act, down, std::nullopt, after_attention), heads, after_attention, projected};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rltune, m) {
   m.def("fewrows_pack(Tensor[] weights) -> Tensor");
   m.def("fewrows_linear(Tensor x, Tensor packed, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("fewrows_decode_layer(Tensor h, Tensor norm1, float eps1, Tensor qkv, Tensor? qkv_bias, Tensor(a!) keys, "
+        "Tensor(b!) values, Tensor key_bias, Tensor cos, Tensor sin, int t, float scale, Tensor o, Tensor? o_bias, "
+        "Tensor norm2, float eps2, Tensor gate_up, Tensor down) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(rltune, CPU, m) {
   m.impl("fewrows_pack", &pack);
   m.impl("fewrows_linear", &linear);
+  m.impl("fewrows_decode_layer", &decode_layer);
 }

@@ -234,6 +234,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.rltune.fewrows_linear(x, packed, bias, residual)
 
 
+def decode_layer(h: torch.Tensor, norm1: torch.Tensor, eps1: float, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
+                 keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, t: int, scale: float, o: torch.Tensor, o_bias: torch.Tensor | None,
+                 norm2: torch.Tensor, eps2: float, gate_up: torch.Tensor, down: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer for one new token of each row ``h [R, H]`` in one native call
+    (``fewrows.cpp``: the one-query step of :class:`~rltune.rollout.fastpath.LeanDecoder`
+    with every product on :func:`pack` ed weights): writes slot ``t`` of ``keys`` and
+    ``values`` ``[R, KV, T, D]``; ``key_bias [R KV, 1, T]`` is 0 at a valid slot and
+    ``-inf`` at a padded one, ``cos, sin [R, D]`` this position's. Returns ``(h after the
+    layer, q/k/v before rotary [R, (Hq + 2 KV) D], h after the attention's residual,
+    gate/up [R, 2 I])``."""
+    out = torch.ops.rltune.fewrows_decode_layer(h, norm1, eps1, qkv, qkv_bias, keys, values, key_bias, cos, sin, t,
+                                                scale, o, o_bias, norm2, eps2, gate_up, down)
+    return out[0], out[1], out[2], out[3]
+
+
 def _require() -> None:
     reason = unavailable()
     if reason:

@@ -274,3 +274,113 @@ def test_prefill_once_per_prompt_equals_a_prefill_per_row(source: str) -> None:
     assert not torch.equal(got[-1][0], got[-1][1])  # rows of a group diverge after the prompt
     for t, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"position {t}: {m}")
+
+
+# shapes where the native layer's vector loops have tails: head_dim 40 (two 16-float
+# steps of a dot product, then 8 floats), 5 q heads over 1 kv head, intermediate 52
+# (silu's exp over 6 full 8-lane vectors, then 4 lanes)
+ODD = dict(vocab_size=64, hidden_size=200, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5,
+           num_key_value_heads=1, head_dim=40, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("gate_scale", [1.0, 400.0], ids=["plain", "huge-gates"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama-bias", "odd"])
+def test_the_native_layer_step_equals_the_aten_one_query_step(arch: str, gate_scale: float,
+                                                            require_fewrows) -> None:
+    """On fewrows-packed weights the one-query step runs each layer as one native call
+    (``fewrows_decode_layer``); the same step as ATen ops (``native`` off) over the same
+    padded rows. Its norms, dot products, softmax and silu sum the same float32 terms in
+    another order and take exp from a polynomial within 2 ulp of expf, so logits differ by
+    a few ulps carried through two layers (~1e-6 at these O(1) logits; measured <= 4.6e-7,
+    the kept outputs <= 7.3e-7 of their largest entry), bounded at 1e-5 absolute as in
+    the HF comparison; a wrong rotary sign, key slot, head
+    grouping or bias moves them by ~0.1. ``huge-gates`` scales the gate weights so that
+    |gate| passes 88, where exp is clamped (silu is then 0 or the gate itself, as in ATen).
+    The kept outputs for the learner (q/k/v, after attention, gate/up, after the MLP) are
+    compared too, at the same bound."""
+    require_fewrows()
+    model = build(LlamaConfig(**ODD, attention_bias=True) if arch == "odd" else CONFIGS[arch]())
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(gate_scale)
+    ids, mask = padded_batch(seed=7)
+    new = torch.randint(4, 64, (3, STEPS), generator=torch.Generator().manual_seed(8))
+    decoders, kept = [], []
+    with torch.inference_mode():
+        for native in (True, False):
+            decoder = LeanDecoder(model, max_new_tokens=STEPS + 1, kernel="fewrows")
+            decoder.prefill(ids, mask, repeats=2)
+            assert decoder.native
+            decoder.native = native
+            outputs: list[tuple[torch.Tensor, ...]] = []
+            decoder.record = _Recorder(outputs)
+            logits = [decoder.step(new[:, t].repeat_interleave(2)) for t in range(STEPS)]
+            decoders.append(logits)
+            kept.append(outputs)
+    assert decoders[1][0].abs().max() > 0.1
+    for t, (got, want) in enumerate(zip(*decoders)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"step {t}: {m}")
+    assert len(kept[0]) == len(kept[1]) == STEPS * 2
+    for (index, got), (_, want) in zip(*kept):
+        for g, w in zip(got, want):
+            scale = max(w.abs().max().item(), 1.0)
+            torch.testing.assert_close(g, w, atol=1e-5 * scale, rtol=0, msg=lambda m: f"layer {index}: {m}")
+
+
+class _Recorder:
+    """Stands in for a replay record: collects what the decoder keeps per layer and step."""
+
+    def __init__(self, into: list) -> None:
+        self.into = into
+        self.tokens = torch.zeros(6, 64, dtype=torch.long)  # 3 prompts x 2 rows each
+        self.prompt_ids = torch.zeros(1, 0, dtype=torch.long)
+        self.fed = 0
+
+    def put_step(self, index: int, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.into.append((index, tuple(o.reshape(o.shape[0], -1).clone() for o in outputs)))
+
+
+def test_the_native_layer_step_runs_only_on_fewrows_panels(require_fewrows) -> None:
+    """The native call serves fewrows-packed weights; oneDNN's packing and plain weights
+    keep the ATen step."""
+    require_fewrows()
+    model = build(CONFIGS["qwen2"]())
+    ids, mask = padded_batch(seed=1)
+    with torch.inference_mode():
+        for kernel, pack, native in (("fewrows", None, True), (None, False, False)):
+            decoder = LeanDecoder(model, max_new_tokens=3, kernel=kernel, pack=pack)
+            decoder.prefill(ids, mask)
+            assert decoder.native is native
+        if torch.backends.mkldnn.is_available():
+            decoder = LeanDecoder(model, max_new_tokens=3, kernel="onednn")
+            decoder.prefill(ids, mask)
+            assert decoder.native is False
+
+
+def test_the_native_layer_step_names_bad_inputs(require_fewrows) -> None:
+    """Caches, slot or tables that do not fit are refused with the operator's name."""
+    require_fewrows()
+    from rltune.rollout import fewrows
+
+    model = build(CONFIGS["qwen2"]())
+    ids, mask = padded_batch(seed=1)
+    with torch.inference_mode():
+        decoder = LeanDecoder(model, max_new_tokens=3, kernel="fewrows")
+        decoder.prefill(ids, mask)
+        layer, fused = decoder.layers[0], decoder.fused[0]
+        h = torch.zeros(3, 32)
+        cos, sin = decoder.cos[:, 0, 7], decoder.sin[:, 0, 7]
+
+        def call(**over: Any) -> None:
+            args = dict(h=h, norm1=layer.norm1, eps1=layer.eps1, qkv=fused.qkv.linears[0].weight,
+                        qkv_bias=fused.qkv.linears[0].bias, keys=decoder.keys[0], values=decoder.values[0],
+                        key_bias=decoder.key_bias, cos=cos, sin=sin, t=7, scale=decoder.scale, o=fused.o.weight,
+                        o_bias=fused.o.bias, norm2=layer.norm2, eps2=layer.eps2,
+                        gate_up=fused.gate_up.linears[0].weight, down=fused.down.weight)
+            fewrows.decode_layer(**{**args, **over})
+
+        call()  # fits
+        for over in (dict(t=9), dict(h=torch.zeros(4, 32)), dict(cos=cos[:2]), dict(keys=decoder.keys[0][:, :1]),
+                     dict(qkv=fused.o.weight)):
+            with pytest.raises(RuntimeError, match="fewrows"):
+                call(**over)
