@@ -394,7 +394,7 @@ class LeanDecoder:
         q_heads = kv_heads * self.groups
         cos, sin = self.cos[:, :, t], self.sin[:, :, t]  # [R, 1, D], one row per head
         if self.native and rows <= FEW_ROWS:
-            return self._native_layers(h, t, cos[:, 0], sin[:, 0])
+            return self._native_layers(h, t, cos[:, 0].contiguous(), sin[:, 0].contiguous())
         bias = self.key_bias[:, :, : t + 1]
         for index, (layer, fused, keys, values) in enumerate(zip(self.layers, self.fused, self.keys, self.values)):
             a = F.rms_norm(h, (width,), layer.norm1, layer.eps1)

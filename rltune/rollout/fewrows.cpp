@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -83,7 +84,9 @@ inline void step(const float* xt, int64_t k, const float* packed, int64_t first,
   for (int64_t i = 0; i < k; i++) {
     const float* xi = xt + i * MR;
     if (PREFETCH_BYTES > 0 && (i * VW) % LINE_FLOATS == 0)
-      for (int q = 0; q < NP; q++) __builtin_prefetch(w + (q * k + i) * VW + PREFETCH_BYTES / sizeof(float), 0, 0);
+      for (int q = 0; q < NP; q++)  // the address as an integer: it may lie past the buffer
+        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + (q * k + i) * VW) +
+                                                         PREFETCH_BYTES), 0, 0);
     for (int q = 0; q < NP; q++) {
       vec wv;
       std::memcpy(&wv, w + (q * k + i) * VW, sizeof wv);
@@ -215,11 +218,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 // expf), so outputs agree with the ATen steps to float32 rounding, not bit for bit.
 
 // exp(x) for every lane: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial,
-// 2^n through the exponent bits. x is clamped to [-87.3, 88.3], where 2^n is normal.
+// 2^n through the exponent bits. x is clamped to [-87.3, 88.3], where 2^n is normal; a NaN
+// stays NaN.
 vec exp_vec(vec x) {
   typedef int32_t ivec __attribute__((vector_size(VW * sizeof(int32_t))));
-  x = x < 88.3762626647949f ? x : vec{} + 88.3762626647949f;
-  x = x > -87.3365478515625f ? x : vec{} - 87.3365478515625f;
+  x = x > 88.3762626647949f ? vec{} + 88.3762626647949f : x;
+  x = x < -87.3365478515625f ? vec{} - 87.3365478515625f : x;
   vec fx = x * 1.44269504088896341f + 0.5f;
   vec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);  // toward zero
   fl += __builtin_convertvector(fl > fx, vec);                               // -1 where above: floor
@@ -318,7 +322,8 @@ void attend(const float* heads, int64_t width, const at::Tensor& keys, const at:
           p[j] = std::isinf(bias[j]) ? -INFINITY : bias[j] + float(scale) * dot(q, kg + j * d, d);
           top = p[j] > top ? p[j] : top;
         }
-        for (int64_t j = 0; j <= t; j++) p[j] = std::isinf(p[j]) ? -200.f : p[j] - top;
+        // a masked slot's exp is set to 0 below; a NaN or +inf score gives NaN, as ATen's softmax
+        for (int64_t j = 0; j <= t; j++) p[j] = std::isinf(bias[j]) ? -200.f : p[j] - top;
         exp_inplace(p.data(), t + 1);
         float total = 0.f;
         for (int64_t j = 0; j <= t; j++) {
@@ -349,10 +354,17 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& h, const at::Tensor& norm
   TORCH_CHECK(h.dim() == 2 && keys.dim() == 4 && values.sizes() == keys.sizes() && h.size(0) == keys.size(0),
               "fewrows_decode_layer: h ", h.sizes(), " and the caches ", keys.sizes(), " do not fit");
   int64_t rows = h.size(0), kv = keys.size(1), slots = keys.size(2), d = keys.size(3);
+  TORCH_CHECK(kv > 0 && d > 0 && d % 2 == 0 && d <= 512 && qkv.dim() == 2 && qkv.size(0) % d == 0,
+              "fewrows_decode_layer: caches ", keys.sizes(), " do not fit a q/k/v weight of ", qkv.sizes());
   int64_t width = qkv.size(0), q_heads = width / d - 2 * kv;
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && d % 2 == 0 && d <= 512 && width % d == 0 &&
-                  q_heads > 0 && q_heads % kv == 0 && t >= 0 && t < slots,
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && q_heads > 0 && q_heads % kv == 0 && t >= 0 &&
+                  t < slots,
               "fewrows_decode_layer: caches ", keys.sizes(), ", q/k/v width ", width, ", slot ", t, " do not fit");
+  TORCH_CHECK(norm1.numel() == h.size(1) && norm2.numel() == h.size(1),
+              "fewrows_decode_layer: norm weights of ", norm1.numel(), " and ", norm2.numel(), " for h ", h.sizes());
+  TORCH_CHECK(gate_up.dim() == 2 && down.dim() == 2 && gate_up.size(0) == 2 * down.size(1),
+              "fewrows_decode_layer: gate/up ", gate_up.sizes(), " is not twice the down weight's inputs ",
+              down.sizes());
   TORCH_CHECK(key_bias.numel() == rows * kv * slots && cos.numel() == rows * d && sin.numel() == rows * d,
               "fewrows_decode_layer: key_bias ", key_bias.sizes(), " or cos/sin ", cos.sizes(), " do not fit");
   at::Tensor hc = h.contiguous(), bias = key_bias.contiguous(), cs = cos.contiguous(), sn = sin.contiguous();

@@ -14,9 +14,11 @@ linked against the OpenMP runtime torch loaded, in about 10 s. The library is ca
 under ``$RLTUNE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/rltune``, else
 ``~/.cache/rltune``), keyed by the source, the compiler and its version, the CPU's
 feature flags, the torch version, install and ABI, and the OpenMP runtime; a cached
-build that does not load here is rebuilt for the process. It registers two torch operators,
+build that does not load here is rebuilt for the process. It registers the torch operators
 ``rltune::fewrows_pack`` and ``rltune::fewrows_linear`` (so a compiled graph calls the
-kernel with no Python between), with shape functions for the compiler.
+kernel with no Python between) and ``rltune::fewrows_decode_layer`` (a decoder layer for
+one token a row on those products: :func:`decode_layer`), with shape functions for the
+compiler.
 
 Where it cannot be built (no compiler, a failed compile) :func:`unavailable` says why;
 the decoder then uses oneDNN's packed product and says so once in the log.
@@ -111,6 +113,7 @@ def _load() -> None:
     if "fakes" not in _STATE:
         torch.library.register_fake("rltune::fewrows_pack")(_pack_shape)
         torch.library.register_fake("rltune::fewrows_linear")(_linear_shape)
+        torch.library.register_fake("rltune::fewrows_decode_layer")(_decode_layer_shape)
         _STATE["fakes"] = None
 
 
@@ -217,6 +220,14 @@ def _pack_shape(weights: list[torch.Tensor]) -> torch.Tensor:
 def _linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def _decode_layer_shape(h: torch.Tensor, norm1: torch.Tensor, eps1: float, qkv: torch.Tensor, *args: object
+                        ) -> list[torch.Tensor]:
+    gate_up = args[-2]
+    assert isinstance(gate_up, torch.Tensor)
+    return [h.new_empty(h.shape), h.new_empty((h.shape[0], qkv.shape[0])), h.new_empty(h.shape),
+            h.new_empty((h.shape[0], gate_up.shape[0]))]
 
 
 def pack(weight: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

@@ -131,6 +131,26 @@ def test_the_shape_functions_match_the_kernels() -> None:
         assert fake_packed.shape == packed.shape
 
 
+def test_the_decode_layer_shape_function_matches_the_kernel() -> None:
+    """``fewrows_decode_layer``'s outputs as the compiler is told them: 3 rows, hidden 16,
+    2 query heads and 1 kv head of 8, intermediate 12."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rows, hidden, d, inner, slots = 3, 16, 8, 12, 5
+    args = dict(h=torch.randn(rows, hidden), norm1=torch.ones(hidden), eps1=1e-6,
+                qkv=fewrows.pack(torch.randn(4 * d, hidden)), qkv_bias=None,
+                keys=torch.zeros(rows, 1, slots, d), values=torch.zeros(rows, 1, slots, d),
+                key_bias=torch.zeros(rows, 1, slots), cos=torch.ones(rows, d), sin=torch.zeros(rows, d), t=2,
+                scale=d ** -0.5, o=fewrows.pack(torch.randn(hidden, 2 * d)), o_bias=None, norm2=torch.ones(hidden),
+                eps2=1e-6, gate_up=fewrows.pack(torch.randn(2 * inner, hidden)),
+                down=fewrows.pack(torch.randn(hidden, inner)))
+    real = torch.ops.rltune.fewrows_decode_layer(**args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.rltune.fewrows_decode_layer(
+            **{k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    assert [(f.shape, f.stride(), f.dtype) for f in fake] == [(r.shape, r.stride(), r.dtype) for r in real]
+
+
 def test_the_avx2_build_passes_these_tests(tmp_path) -> None:
     """A CPU with AVX-512 builds the kernel with 16-float vectors and two panels a step; an
     AVX2 CPU builds it with 8-float vectors and one. That second build is made here with

@@ -102,7 +102,8 @@ def test_prefill_and_steps_equal_the_hf_forward(arch: str, kernel: str | None, r
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_the_one_query_step_equals_the_general_step(arch: str) -> None:
     """On a CPU in float32 a step runs ``_one_query`` (batched products for the attention,
-    the residuals as post-ops); elsewhere (a GPU, bf16, autocast) it runs the general
+    the residuals as post-ops; on the default fewrows panels each layer as one native call,
+    which the next tests compare with the batched-product step); elsewhere (a GPU, bf16, autocast) it runs the general
     ``_forward`` with SDPA. Both over the same padded rows and tokens, the general one
     forced by dropping the key mask the one-query step reads. Tolerance 1e-5 as in the HF
     comparison above: the same dot products in another order; a wrong key mask, rotary
@@ -318,6 +319,8 @@ def test_the_native_layer_step_equals_the_aten_one_query_step(arch: str, gate_sc
             decoders.append(logits)
             kept.append(outputs)
     assert decoders[1][0].abs().max() > 0.1
+    gates = max(out[2].abs().max().item() for _, out in kept[1])
+    assert gates > 88 if gate_scale > 1 else gates < 20  # past the clamp, or well inside it
     for t, (got, want) in enumerate(zip(*decoders)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"step {t}: {m}")
     assert len(kept[0]) == len(kept[1]) == STEPS * 2
@@ -358,7 +361,9 @@ def test_the_native_layer_step_runs_only_on_fewrows_panels(require_fewrows) -> N
 
 
 def test_the_native_layer_step_names_bad_inputs(require_fewrows) -> None:
-    """Caches, slot or tables that do not fit are refused with the operator's name."""
+    """Caches, slot, tables or weights that do not fit (norm weights of another width,
+    an empty head dimension, a gate/up weight that is not twice the down weight's inputs)
+    are refused with the operator's name, before any loop reads them."""
     require_fewrows()
     from rltune.rollout import fewrows
 
@@ -381,6 +386,8 @@ def test_the_native_layer_step_names_bad_inputs(require_fewrows) -> None:
 
         call()  # fits
         for over in (dict(t=9), dict(h=torch.zeros(4, 32)), dict(cos=cos[:2]), dict(keys=decoder.keys[0][:, :1]),
-                     dict(qkv=fused.o.weight)):
+                     dict(qkv=fused.o.weight), dict(norm1=layer.norm1[:4]), dict(norm2=torch.ones(40)),
+                     dict(keys=decoder.keys[0][..., :0], values=decoder.values[0][..., :0]),
+                     dict(gate_up=fused.down.weight)):
             with pytest.raises(RuntimeError, match="fewrows"):
                 call(**over)
