@@ -37,8 +37,8 @@ count (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU fr
 uses), whose GEMM is faster once the product is compute-bound. Only the float32
 summation order changes. On the fewrows panels a one-token step runs each layer as one
 native call (:func:`~rltune.rollout.fewrows.decode_layer`), the same arithmetic without
-an ATen dispatch for each of its norms, rotations, attention and activation: 20-25 %
-off a 25 M step (``docs/performance.md``). On a CPU without
+an ATen dispatch for each of its norms, rotations, attention and activation: 17-21 %
+off a 25 M decode step (``docs/performance.md``). On a CPU without
 packing (bf16, autocast) the products stay separate: concatenated but unpacked they were
 0-7 % slower there. They are rebuilt
 at every prefill, i.e. once per generate call, from the live parameters: in an RL loop

@@ -291,8 +291,8 @@ def test_the_native_layer_step_equals_the_aten_one_query_step(arch: str, gate_sc
     """On fewrows-packed weights the one-query step runs each layer as one native call
     (``fewrows_decode_layer``); the same step as ATen ops (``native`` off) over the same
     padded rows. Its norms, dot products, softmax and silu sum the same float32 terms in
-    another order and take exp from a polynomial within 2 ulp of expf, so logits differ by
-    a few ulps carried through two layers (~1e-6 at these O(1) logits; measured <= 4.6e-7,
+    another order and take exp from a polynomial within 1 ulp of the exact exp, so logits
+    differ by a few ulps carried through two layers (~1e-6 at these O(1) logits; measured <= 4.6e-7,
     the kept outputs <= 7.3e-7 of their largest entry), bounded at 1e-5 absolute as in
     the HF comparison; a wrong rotary sign, key slot, head
     grouping or bias moves them by ~0.1. ``huge-gates`` scales the gate weights so that
