@@ -222,10 +222,11 @@ def _linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
-def _decode_layer_shape(h: torch.Tensor, norm1: torch.Tensor, eps1: float, qkv: torch.Tensor, *args: object
-                        ) -> list[torch.Tensor]:
-    gate_up = args[-2]
-    assert isinstance(gate_up, torch.Tensor)
+def _decode_layer_shape(h: torch.Tensor, norm1: torch.Tensor, eps1: float, qkv: torch.Tensor,
+                        qkv_bias: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                        key_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int, scale: float,
+                        o: torch.Tensor, o_bias: torch.Tensor | None, norm2: torch.Tensor, eps2: float,
+                        gate_up: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
     return [h.new_empty(h.shape), h.new_empty((h.shape[0], qkv.shape[0])), h.new_empty(h.shape),
             h.new_empty((h.shape[0], gate_up.shape[0]))]
 

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from rltune.data.records import Prompt, SamplingParams
+from rltune.models import replay
 from rltune.models.dense_layout import has_hooks, supports_fastpath
 from rltune.rollout.fastpath import LeanDecoder
 from rltune.rollout.hf import HFGenerator, HFSteps
@@ -306,41 +307,26 @@ def test_the_native_layer_step_equals_the_aten_one_query_step(arch: str, gate_sc
             layer.mlp.gate_proj.weight.mul_(gate_scale)
     ids, mask = padded_batch(seed=7)
     new = torch.randint(4, 64, (3, STEPS), generator=torch.Generator().manual_seed(8))
+    replay.keep_records(model, 1 << 30)  # the decoders keep their outputs in real records
     decoders, kept = [], []
     with torch.inference_mode():
         for native in (True, False):
-            decoder = LeanDecoder(model, max_new_tokens=STEPS + 1, kernel="fewrows")
+            decoder = LeanDecoder(model, max_new_tokens=STEPS + 1, kernel="fewrows", keep_forward=True)
             decoder.prefill(ids, mask, repeats=2)
-            assert decoder.native
+            assert decoder.native and decoder.record is not None
             decoder.native = native
-            outputs: list[tuple[torch.Tensor, ...]] = []
-            decoder.record = _Recorder(outputs)
-            logits = [decoder.step(new[:, t].repeat_interleave(2)) for t in range(STEPS)]
-            decoders.append(logits)
-            kept.append(outputs)
+            decoders.append([decoder.step(new[:, t].repeat_interleave(2)) for t in range(STEPS)])
+            assert decoder.record.fed == STEPS
+            kept.append([[out[:, :STEPS] for out in layer.steps] for layer in decoder.record.layers])
     assert decoders[1][0].abs().max() > 0.1
-    gates = max(out[2].abs().max().item() for _, out in kept[1])
+    gates = max(layer[2].abs().max().item() for layer in kept[1])
     assert gates > 88 if gate_scale > 1 else gates < 20  # past the clamp, or well inside it
     for t, (got, want) in enumerate(zip(*decoders)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"step {t}: {m}")
-    assert len(kept[0]) == len(kept[1]) == STEPS * 2
-    for (index, got), (_, want) in zip(*kept):
-        for g, w in zip(got, want):
+    for index, (got_layer, want_layer) in enumerate(zip(*kept)):
+        for g, w in zip(got_layer, want_layer):
             scale = max(w.abs().max().item(), 1.0)
             torch.testing.assert_close(g, w, atol=1e-5 * scale, rtol=0, msg=lambda m: f"layer {index}: {m}")
-
-
-class _Recorder:
-    """Stands in for a replay record: collects what the decoder keeps per layer and step."""
-
-    def __init__(self, into: list) -> None:
-        self.into = into
-        self.tokens = torch.zeros(6, 64, dtype=torch.long)  # 3 prompts x 2 rows each
-        self.prompt_ids = torch.zeros(1, 0, dtype=torch.long)
-        self.fed = 0
-
-    def put_step(self, index: int, outputs: tuple[torch.Tensor, ...]) -> None:
-        self.into.append((index, tuple(o.reshape(o.shape[0], -1).clone() for o in outputs)))
 
 
 def test_the_native_layer_step_runs_only_on_fewrows_panels(require_fewrows) -> None:
