@@ -1,4 +1,5 @@
-"""The import layering of DESIGN.md, checked by walking the AST of every module in rltune/.
+"""The import layering ("Import layers" in ``docs/architecture.md``), checked by walking
+the AST of every module in rltune/.
 
 Every import counts: ``import x`` and ``from x import y``, relative ones, and those inside
 functions or under ``if TYPE_CHECKING:``. A violation is reported as ``FILE:LINE``.

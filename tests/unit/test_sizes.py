@@ -1,4 +1,4 @@
-"""Files stay small (STYLE.md 13): no file in ``rltune/`` over 500 lines, no function over 60.
+"""Files stay small: no file in ``rltune/`` over 500 lines, no function over 60.
 
 A function's length is its ``def`` line (decorators aside) to its last line, as ``ast``
 gives them, so a docstring and comments inside it count. Vendored files (``vendor/``
