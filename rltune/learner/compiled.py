@@ -20,10 +20,13 @@ sizes, and every later shape reuses it (two graphs per run, measured: see
 
 **With the rest of the learner.** The block's ``forward`` is replaced on the instance (its
 class, module path and parameter names stay, so checkpoints and weight exports are
-unchanged), after activation checkpointing (:mod:`rltune.learner.memory`: the
-checkpointed forward is what gets compiled) and before DDP or FSDP2 wrap the model, so
+unchanged), after activation checkpointing and before DDP or FSDP2 wrap the model, so
 FSDP2's per-block hooks, which run around the block's ``__call__``, stay outside the
-compiled region. LoRA's adapters sit inside the blocks and are compiled with them.
+compiled region. A checkpointed block (:mod:`rltune.learner.memory`) keeps its
+checkpointed forward, and the checkpoint runs the compiled class forward, in the forward
+and again in the backward's recompute: dynamo cannot trace into ``torch.utils.checkpoint``
+around a transformers block (it ran such a block eagerly, compiling nothing). LoRA's
+adapters sit inside the blocks and are compiled with them.
 Tensor, pipeline and expert parallelism are refused at config time
 (``rltune/config/train.py``): their DTensor layers and stage schedules are not compiled.
 """
@@ -34,6 +37,8 @@ import types
 from typing import Any, Callable
 
 import torch
+
+from rltune.learner.memory import COMPILED_FORWARD, is_checkpointed
 
 
 def compile_blocks(model: torch.nn.Module, *, dynamic: bool | None = None,
@@ -59,10 +64,14 @@ def compile_blocks(model: torch.nn.Module, *, dynamic: bool | None = None,
     if backend == "inductor" and first is not None:
         require_cpp_compiler("train.compile", first.device)
     for block in blocks:
-        if "_rltune_compiled" in block.__dict__:
+        if COMPILED_FORWARD in block.__dict__:
             continue
-        plain = block.forward  # the class's, or one installed on the instance (checkpointing)
-        block.__dict__["_rltune_compiled"] = torch.compile(plain, dynamic=dynamic, backend=backend)
+        if is_checkpointed(block):  # its checkpoint runs and recomputes the compiled class forward
+            bound = types.MethodType(type(block).forward, block)
+            block.__dict__[COMPILED_FORWARD] = torch.compile(bound, dynamic=dynamic, backend=backend)
+            continue
+        plain = block.forward  # the class's
+        block.__dict__[COMPILED_FORWARD] = torch.compile(plain, dynamic=dynamic, backend=backend)
         block.forward = types.MethodType(_forward, block)
         block.__dict__["_rltune_plain"] = plain
     return len(blocks)
@@ -70,14 +79,14 @@ def compile_blocks(model: torch.nn.Module, *, dynamic: bool | None = None,
 
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether :func:`compile_blocks` routed ``module``'s training forward through compile."""
-    return "_rltune_compiled" in module.__dict__
+    return COMPILED_FORWARD in module.__dict__
 
 
 def _forward(block: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The compiled forward while the block trains with gradients, else the plain one."""
     run: Callable[..., Any] = block.__dict__["_rltune_plain"]
     if block.training and torch.is_grad_enabled():
-        run = block.__dict__["_rltune_compiled"]
+        run = block.__dict__[COMPILED_FORWARD]
     return run(*args, **kwargs)
 
 

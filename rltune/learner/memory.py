@@ -48,6 +48,10 @@ from torch.utils.checkpoint import checkpoint
 
 CACHE_KWARGS: tuple[str, ...] = ("past_key_values", "cache", "layer_past")
 """Keyword arguments through which a block would write a KV cache."""
+COMPILED_FORWARD = "_rltune_compiled"
+"""Where ``train.compile`` (:func:`rltune.learner.compiled.compile_blocks`) keeps a block's
+compiled forward; a checkpointed block's checkpoint calls it (dynamo does not trace into
+``torch.utils.checkpoint`` around a transformers block: it would run the block eagerly)."""
 
 
 class MemorySettingError(ValueError):
@@ -123,12 +127,14 @@ def _checkpointed_forward(block: torch.nn.Module, *args: Any, **kwargs: Any) -> 
                 "the cache a second time. Training forwards pass use_cache=False"
             )
     options: dict[str, Any] = {}
-    # only MoE blocks need a context, and dynamo takes none of ours: train.compile
-    # compiles dense checkpointed blocks only (MoE with both is refused, prepare_memory)
-    if not torch.compiler.is_compiling():
-        routers = [m for m in block.modules() if "_rltune_layer" in m.__dict__]
-        if routers:
-            options["context_fn"] = functools.partial(_routing_contexts, routers)
+    # only MoE blocks need a context (train.compile with checkpointing is refused for MoE
+    # models, prepare_memory)
+    routers = [m for m in block.modules() if "_rltune_layer" in m.__dict__]
+    if routers:
+        options["context_fn"] = functools.partial(_routing_contexts, routers)
+    compiled = block.__dict__.get(COMPILED_FORWARD)
+    if compiled is not None:  # the checkpoint runs, and recomputes, train.compile's graph
+        return checkpoint(compiled, *args, use_reentrant=False, **options, **kwargs)
     return checkpoint(plain, block, *args, use_reentrant=False, **options, **kwargs)
 
 

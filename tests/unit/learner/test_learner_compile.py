@@ -17,6 +17,7 @@ from rltune.algos import ALGORITHMS
 from rltune.config.schema import AlgoConfig, LoraConfig, TrainConfig
 from rltune.learner.compiled import compile_blocks, compiled_graphs, is_compiled
 from rltune.learner.learner import LocalLearner
+from rltune.learner.memory import apply_activation_checkpointing, is_checkpointed
 from rltune.learner.objectives import build_objective
 from rltune.learner.parallel import transformer_blocks
 from rltune.metrics.types import scalars
@@ -98,6 +99,28 @@ def test_names_and_the_update_stay_those_of_the_plain_model(tiny_model: torch.nn
     batch = grpo_batch(tiny_model)
     grpo_learner(plain).step(batch)
     grpo_learner(compiled).step(batch)
+    for (name, p), q in zip(plain.named_parameters(), compiled.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_blocks_are_compiled_inside_their_checkpoint(tiny_model: torch.nn.Module, mode: str) -> None:
+    """A checkpointed block's checkpoint runs the compiled graph, in the forward and again
+    in the backward's recompute (compiling the checkpoint wrapper instead traced nothing:
+    dynamo ran such blocks eagerly), and the update is the eager one to the bit."""
+    plain, compiled = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    for model in (plain, compiled):
+        apply_activation_checkpointing(model, mode, None)
+    backend = Counting()
+    compile_blocks(compiled, backend=backend)
+    checkpointed = sum(is_checkpointed(b) for b in transformer_blocks(compiled))
+    assert checkpointed == (4 if mode == "full" else 2)
+    batch = grpo_batch(tiny_model)
+    grpo_learner(plain).step(batch)
+    grpo_learner(compiled).step(batch)
+    assert backend.graphs >= 1
+    # one micro-batch: every block's forward once, and the checkpointed ones once more
+    assert backend.calls == 4 + checkpointed
     for (name, p), q in zip(plain.named_parameters(), compiled.parameters()):
         assert torch.equal(p, q), name
 
