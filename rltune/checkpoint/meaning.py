@@ -43,6 +43,9 @@ FREE_KEYS = (
     "train.checkpoint_every",
     "train.offload",  # memory: where the states wait between uses
     "train.compile",  # speed: the same arithmetic, fused
+    "train.reuse_rollout_mb",  # speed: the decode's products instead of recomputed ones
+    "algo.skip_zero_advantage",  # speed: the same update without the zero-advantage rows' backward
+    "rollout.compile",  # speed: the same decode step, compiled
     "train.parallel.*",  # the learner's layout: a checkpoint loads into another one
     "train.max_nonfinite_steps",  # when to give up on a failing run
     "train.max_reward_error_steps",

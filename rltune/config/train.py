@@ -57,7 +57,10 @@ class TrainConfig(_Section):
     them instead of repeating the products (``rltune/models/replay.py``): the same
     log-probs and gradients to float32 rounding, a forward without its matrix products.
     Kept until the step's optimizer step; a generation that would pass the budget keeps
-    none. 0 turns it off."""
+    none. Used only where it gives those log-probs: float32 weights (``model.dtype``)
+    with ``precision`` and ``rollout.precision`` fp32, no activation checkpointing, no
+    ``train.compile``, and a Qwen2/Llama/Mistral model without LoRA (the lean forward's);
+    elsewhere nothing is kept, and ``learn/replayed_frac`` is not logged. 0 turns it off."""
     compile: bool = False
     """``torch.compile`` the learner's training forward and backward, one transformer block
     at a time (``rltune/learner/compiled.py``); with one process, DDP or FSDP2, not with
@@ -132,9 +135,11 @@ def offload_problems(train: TrainConfig, *, mode: str, device: str, learners: in
     else:
         sharded = learner_strategy == "fsdp2"
     if mode != "ray" or learners < 2 or not sharded:
-        return ["train.offload: params is FSDP2's CPU offload of sharded parameters: it needs runtime.mode: ray "
-                "with runtime.placement.learners > 1 and learner_strategy: fsdp2 (or train.parallel dp_shard > 1); "
-                f"this run has mode {mode!r}, {learners} learner(s), strategy {learner_strategy!r}"]
+        has = f"train.parallel dp_shard={layout.dp_shard}" if layout.model_fields_set else \
+            f"learner_strategy {learner_strategy!r}"
+        return ["train.offload: params is FSDP2's CPU offload of parameters sharded over a learner group: it needs "
+                "runtime.mode: ray with runtime.placement.learners > 1, sharded by train.parallel dp_shard > 1 "
+                f"(or learner_strategy: fsdp2); this run has mode {mode!r}, {learners} learner(s), {has}"]
     if learner_gpus <= 0:
         return ["train.offload: params moves FSDP2's sharded parameters, gradients and optimizer state from the "
                 "learners' GPUs to host memory, but the learners reserve no GPU (runtime.placement.learner.gpus: 0), "

@@ -165,11 +165,13 @@ def local_device(cfg: Config) -> torch.device:
 
 def reuse_applies(cfg: Config, model: torch.nn.Module) -> bool:
     """Whether the learner's forward can take the products of a decode on ``model``
-    (``train.reuse_rollout_mb``, :mod:`rltune.models.replay`): learner and sampler in
-    float32, no activation checkpointing or ``train.compile``, a model the lean forward
-    runs. Elsewhere the decoder keeps nothing (what it kept would never be read)."""
+    (``train.reuse_rollout_mb``, :mod:`rltune.models.replay`): float32 weights, learner
+    and sampler in float32, no activation checkpointing or ``train.compile``, a model the
+    lean forward runs. Elsewhere the decoder keeps nothing (what it kept would never be read)."""
     t = cfg.train
+    weights = next(model.parameters(), None)
     return (t.reuse_rollout_mb > 0 and t.precision == "fp32" and generator_precision(cfg) == "fp32"
+            and weights is not None and weights.dtype == torch.float32
             and t.activation_checkpointing == "none" and not t.compile and supports_lean_forward(model))
 
 

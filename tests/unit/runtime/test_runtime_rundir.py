@@ -30,7 +30,8 @@ def _resume(tmp_path: Path, run_dir: Path, *overrides: str) -> None:
     "checkpoint.every=2", "checkpoint.keep=5", "eval.every=2", "runtime.reward_workers=2",
     "runtime.placement.generators=2", "reward.0.fn=/elsewhere/rewards/mine.py:score",
     "train.activation_checkpointing=full", "train.compile=true", "train.logprob_chunk_tokens=256",
-    "train.parallel.dp_shard=1",
+    "train.parallel.dp_shard=1", "train.reuse_rollout_mb=0", "algo.skip_zero_advantage=true",
+    "rollout.compile=true",
 ])
 def test_what_a_resume_may_change(tmp_path, change):
     _resume(tmp_path, _saved(tmp_path), change)
