@@ -118,6 +118,17 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
+def parse_yaml(text: str, name: str) -> Any:
+    """``text`` as ``yaml.safe_load`` reads it, except that a key written twice in one
+    mapping is a ``yaml.YAMLError``; ``name`` (the file) is where its marks point."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name  # YAML error marks then say `in "NAME", line N`
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
@@ -128,14 +139,10 @@ def _read_yaml(path: Path) -> dict:
                           "save it as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
-    loader = _UniqueKeyLoader(text)
-    loader.name = str(path)  # YAML error marks then say `in "PATH", line N`
     try:
-        data = loader.get_single_data()
+        data = parse_yaml(text, str(path))
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML:\n{exc}") from None
-    finally:
-        loader.dispose()
     if data is None:  # an empty file (or only comments): all defaults
         return {}
     if not isinstance(data, dict):

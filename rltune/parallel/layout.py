@@ -341,7 +341,7 @@ def config_problems(cfg: Any, layout: Layout, model_config: Any, *, resolved: bo
             "train.parallel.dp_shard, or remove train.parallel to train with the FSDP2 strategy"
         )
     if layout.pp > 1:
-        problems += _pipeline_problems(cfg, layout, model_config)
+        problems += pipeline_problems(cfg, layout.pp, model_config)
     return problems
 
 
@@ -364,13 +364,15 @@ def _lora_problems(cfg: Any) -> list[str]:
     return []
 
 
-def _pipeline_problems(cfg: Any, layout: Layout, model_config: Any) -> list[str]:
-    """The options pipeline stages refuse, from the config alone: a vision-language
-    model, the router load-balancing loss of an MoE model (``model.router_aux_loss_coef``, else the model
-    config's own), routing replay, aux-free balancing, and LoRA."""
+def pipeline_problems(cfg: Any, pp: int, model_config: Any) -> list[str]:
+    """The options ``pp`` (> 1) pipeline stages refuse, from the config alone: a
+    vision-language model, the router load-balancing loss of an MoE model
+    (``model.router_aux_loss_coef``, else the model config's own), routing replay,
+    aux-free balancing, and LoRA. ``model_config``: the model's Hugging Face config (or
+    an object with the same attributes; None: the model's own options unchecked)."""
     problems = []
     if model_config is not None and getattr(model_config, "vision_config", None) is not None:
-        problems.append(f"train.parallel.pp={layout.pp}: pipeline stages run token ids only, and model_type "
+        problems.append(f"train.parallel.pp={pp}: pipeline stages run token ids only, and model_type "
                         f"{getattr(model_config, 'model_type', None)!r} is a vision-language model (images go "
                         "through its vision tower first); set pp: 1")
     if model_config is not None and expert_count(model_config) > 1:  # a dense model adds no router loss
@@ -385,7 +387,7 @@ def _pipeline_problems(cfg: Any, layout: Layout, model_config: Any) -> list[str]
     if cfg.model.moe.aux_free_bias > 0:
         problems.append(PP_AUX_FREE_BIAS)
     if cfg.model.lora is not None:
-        problems.append(f"model.lora with train.parallel.pp={layout.pp}: pipeline stages split a plain "
+        problems.append(f"model.lora with train.parallel.pp={pp}: pipeline stages split a plain "
                         "Llama-family decoder in place, not a LoRA-wrapped model; set pp: 1")
     return problems
 
@@ -413,6 +415,7 @@ __all__ = [
     "layout_for",
     "layout_problems",
     "model_config_of",
+    "pipeline_problems",
     "resolve_layout",
     "run_layout",
     "run_world",

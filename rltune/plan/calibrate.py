@@ -193,7 +193,7 @@ def cpu_cluster(machine: dict[str, Any], *, flops: float, stream_bytes_s: float)
     return Cluster(
         gpus=devices, gpus_per_node=devices, memory_gb=machine["memory_gb"] / devices,
         tflops=flops / 1e12, hbm_gbps=gbps, intra_gbps=gbps, inter_gbps=gbps, host_gbps=gbps,
-        fp32_ratio=1.0, kind="cpu", name=f"{machine['cpu']}, {threads} thread(s) per device",
+        fp32_ratio=1.0, kind="cpu", name=f"{machine['cpu']}, {threads} thread(s) per device", fp8=False,
     )
 
 

@@ -61,6 +61,8 @@ def _value_problem(name: str, value: Any, hint: Any) -> str | None:
         return None if value in get_args(hint) else f"expected one of {list(get_args(hint))}"
     if hint is str:
         return None if isinstance(value, str) else "expected a string"
+    if hint is bool:
+        return None if isinstance(value, bool) else "expected true or false"
     if hint is int:
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "expected an integer >= 1"
     if hint is float:

@@ -69,15 +69,15 @@ _PUBLIC = (
     # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, every layer sparse
     _public("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
             intermediate=6144, vocab=151936, qk_norm=True, experts=128, experts_per_token=8,
-            expert_intermediate=768),
+            expert_intermediate=768, router_aux_loss_coef=0.001),
     # Qwen/Qwen3-235B-A22B: 128 experts of width 1536, 8 per token, every layer sparse
     _public("qwen3-235b-a22b", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128,
             intermediate=12288, vocab=151936, qk_norm=True, experts=128, experts_per_token=8,
-            expert_intermediate=1536),
+            expert_intermediate=1536, router_aux_loss_coef=0.001),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336, 2 per token
     _public("mixtral-8x7b", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
             intermediate=14336, vocab=32000, experts=8, experts_per_token=2,
-            expert_intermediate=14336),
+            expert_intermediate=14336, router_aux_loss_coef=0.02),
 )
 
 TINY_BUILD_ARGS: dict[str, dict[str, Any]] = {
@@ -171,6 +171,17 @@ def _count(config: dict[str, Any], key: str, source: str, default: int | None = 
     return value
 
 
+def _flag(config: dict[str, Any], key: str, source: str) -> bool:
+    """``config[key]`` as a JSON boolean (absent or null: false); a string or number is
+    refused (``"false"`` is not false)."""
+    value = config.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise PlanError(f"model config {source}: `{key}` is {value!r}, expected true or false")
+    return value
+
+
 def _check_type(config: dict[str, Any], source: str) -> str:
     model_type = config.get("model_type")
     if config.get("is_encoder_decoder"):
@@ -218,7 +229,11 @@ def _moe_fields(config: dict[str, Any], model_type: str, layers: int, source: st
     if model_type == "qwen2_moe":
         shared = _count(config, "shared_expert_intermediate_size", source, minimum=0)
     step = _count(config, "decoder_sparse_step", source, default=1)
-    dense_only = set(config.get("mlp_only_layers") or ())
+    dense_only = config.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
+        raise PlanError(f"model config {source}: `mlp_only_layers` is {dense_only!r}, expected a list of "
+                        f"layer indices")
+    dense_only = set(dense_only)
     first_dense = _count(config, "first_k_dense_replace", source, default=0, minimum=0)
     dense = [i for i in range(layers)
              if i in dense_only or (i + 1) % step != 0 or i < first_dense]
@@ -226,8 +241,12 @@ def _moe_fields(config: dict[str, Any], model_type: str, layers: int, source: st
         raise PlanError(f"model config {source}: dense layers {dense} (from `mlp_only_layers`, "
                         f"`decoder_sparse_step`) are not the leading ones; the planner models "
                         f"only a leading block of dense layers")
+    coef = config.get("router_aux_loss_coef")
+    coef = 0.001 if coef is None else coef  # transformers' MoE configs' default
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+        raise PlanError(f"model config {source}: `router_aux_loss_coef` is {coef!r}, expected a number >= 0")
     return dict(experts=experts, experts_per_token=per_token, expert_intermediate=width,
-                shared_expert_intermediate=shared, dense_layers=len(dense))
+                shared_expert_intermediate=shared, dense_layers=len(dense), router_aux_loss_coef=float(coef))
 
 
 def spec_from_config(config: dict[str, Any], *, source: str, name: str) -> ModelSpec:
@@ -249,7 +268,7 @@ def spec_from_config(config: dict[str, Any], *, source: str, name: str) -> Model
         head_dim=_count(config, "head_dim", source, default=head_dim_default),
         intermediate=_count(config, "intermediate_size", source),
         vocab=_count(config, "vocab_size", source),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tied_embeddings=_flag(config, "tie_word_embeddings", source),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         **_biases(config, model_type),
         **_moe_fields(config, model_type, layers, source),

@@ -34,7 +34,7 @@ PRESETS: dict[str, Cluster] = {
     # 200 Gb/s (25 GB/s per GPU); PCIe Gen4 x16 (32 GB/s, ~25 in practice).
     "a100-80gb": Cluster(gpus=8, gpus_per_node=8, memory_gb=80.0, tflops=312.0, hbm_gbps=2039.0,
                          intra_gbps=300.0, inter_gbps=25.0, host_gbps=25.0,
-                         fp32_ratio=19.5 / 312.0, name="A100 SXM 80GB"),
+                         fp32_ratio=19.5 / 312.0, name="A100 SXM 80GB", fp8=False),  # compute capability 8.0
     # NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989.5
     # dense), FP32 67 TFLOPS, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (both directions);
     # HGX H200 with 400 Gb/s per GPU; PCIe Gen5 x16.
@@ -66,11 +66,10 @@ CLUSTER_KEYS = (*_FIELDS, "preset")
 """The keys of a cluster YAML file."""
 
 
-def _preset(name: str, where: str) -> Cluster:
-    key = name.lower() if isinstance(name, str) else name
-    if key not in PRESETS:
+def _preset(name: Any, where: str) -> Cluster:
+    if not isinstance(name, str) or name.lower() not in PRESETS:
         raise PlanError(f"{where}: unknown device preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[key]
+    return PRESETS[name.lower()]
 
 
 def _checked(key: str, value: Any, where: str) -> int | float:
@@ -135,9 +134,11 @@ def load_cluster(path: str | Path) -> Cluster:
     ``hbm_gbps``, ``host_gbps`` and ``preset``); ``gpus`` is required, the rest default
     to the preset's (``h100-80gb``). Raises ``PlanError`` naming the file and key for an
     unknown key or a bad value, and naming the file when it cannot be read."""
+    from rltune.config.load import parse_yaml
+
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         reason = " ".join(str(exc).split())
         raise PlanError(f"cannot read cluster file {path}: {reason}") from None
@@ -149,4 +150,5 @@ def load_cluster(path: str | Path) -> Cluster:
                         f"{', '.join(CLUSTER_KEYS)}")
     names = {key: f"`{key}` in {path}" for key in _FIELDS}
     values = {key: data.get(key) for key in _FIELDS}
-    return _build(values, data.get("preset", "h100-80gb"), names, f"`preset` in {path}")
+    preset = data.get("preset")  # absent or empty: the default device
+    return _build(values, "h100-80gb" if preset is None else preset, names, f"`preset` in {path}")

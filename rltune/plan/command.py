@@ -60,14 +60,15 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     given = [f"--{f.replace('_', '-')}" for f in CLUSTER_FLAGS if getattr(args, f) is not None]
     problems = []
     if args.calibrate:
-        others = given + [f"--{f.replace('_', '-')}"
-                          for f in ("config", "write", "cluster", "calibration", "json", "score_s")
-                          if getattr(args, f) is not None and getattr(args, f) is not False]
+        others = (["CONFIG.yaml"] if args.config is not None else []) + given + [
+            f"--{f.replace('_', '-')}" for f in ("write", "cluster", "calibration", "json", "score_s")
+            if getattr(args, f) is not None and getattr(args, f) is not False]
         if others:
             problems.append(f"--calibrate measures this machine and writes --out; it takes no {', '.join(others)}")
-        return problems
+        return problems + _path_problems("--out", args.out, makes_parent=True)
     if args.out is not None:
         problems.append("--out is where --calibrate saves its constants; to write a planned config use --write")
+    problems += _path_problems("--write", args.write)
     if args.config is None:
         problems.append("give the experiment config: rltune plan CONFIG.yaml --gpus N")
     if args.cluster is not None and given:
@@ -89,6 +90,20 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     if args.score_s is not None and not (math.isfinite(args.score_s) and args.score_s >= 0):
         problems.append(f"--score-s {args.score_s}: must be a finite number of seconds, 0 or more")
     return problems
+
+
+def _path_problems(flag: str, path: Path | None, *, makes_parent: bool = False) -> list[str]:
+    """Why ``path`` cannot be the file ``flag`` writes (checked before any work): empty,
+    a directory, or in a directory that does not exist (unless the writer makes it)."""
+    if path is None:
+        return []
+    if not str(path).strip() or path.name in ("", ".", ".."):
+        return [f"{flag} {str(path)!r}: give a file name"]
+    if path.is_dir():
+        return [f"{flag} {path}: is a directory; give the path of a file"]
+    if not makes_parent and not path.parent.is_dir():
+        return [f"{flag} {path}: its directory {path.parent} does not exist"]
+    return []
 
 
 def cluster_and_efficiency(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -117,16 +132,20 @@ def _cluster_and_efficiency(args: argparse.Namespace) -> tuple[Any, Any]:
                              args.inter_gbps, args.preset or "h100-80gb"), Efficiency()
 
 
-def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any, engine: str = "vllm") -> PlanError:
+def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any, engine: str = "vllm",
+                 notes: tuple[str, ...] = ()) -> PlanError:
     """The error for a cluster on which no layout fits: how many devices the learner alone
-    would need when it is too few, else the most common reason."""
+    would need when it is too few, else the most common reason; ``notes``: what the
+    config kept out of the search."""
     from rltune.plan.memory import min_devices_to_fit
 
+    left_out = "".join(f"; {note}" for note in notes)
     need = min_devices_to_fit(spec, work, cluster)
     if need > cluster.gpus:
         return PlanError(f"{spec.name} does not fit {cluster.gpus} device(s) of {cluster.memory_gb:g} GB at any layout: "
                          f"its learner alone needs at least {need} such devices (fully sharded, every block "
-                         f"checkpointed), before any generator")
+                         f"checkpointed, parameters offloaded where that fits on fewer), before any "
+                         f"generator{left_out}")
     top = next(iter(result.examples.values()), "no candidate")
     how = (f"all {result.space_size} evaluated" if result.method == "exhaustive" else
            f"{result.evaluated} of {result.space_size} evaluated by TPE; --budget {result.space_size} evaluates them all")
@@ -135,7 +154,7 @@ def nothing_fits(spec: Any, work: Any, cluster: Any, result: Any, engine: str = 
         hint = ("; rollout.engine: hf holds the whole model on one generator device, rollout.engine: vllm "
                 "lets the plan split it (rollout.vllm.tensor_parallel_size)")
     return PlanError(f"no layout of {spec.name} fits {cluster.gpus} device(s) of {cluster.memory_gb:g} GB "
-                     f"({how}); most common reason: {top}{hint}")
+                     f"({how}); most common reason: {top}{hint}{left_out}")
 
 
 def cmd_plan(args: argparse.Namespace, console: Any) -> int:
@@ -154,28 +173,28 @@ def cmd_plan(args: argparse.Namespace, console: Any) -> int:
     from rltune.plan.report import format_table, reasons, rejections_text, search_line, sections_yaml, to_json
     from rltune.plan.report import config_sections, runtime_notes, write_config
     from rltune.plan.search import default_space, plan
-    from rltune.plan.workload import workload_from_config
+    from rltune.plan.workload import refused_degrees, workload_from_config
 
     cfg = load_config(args.config)
     cluster, eff = cluster_and_efficiency(args)
     spec = load_model_spec(cfg.model.path)
     work = workload_from_config(cfg, prompt_tokens=args.prompt_tokens)
     space = default_space(spec, work, cluster, engine=cfg.rollout.engine, max_staleness=args.max_staleness,
-                          micro_batch_tokens=cfg.train.micro_batch_tokens)
+                          micro_batch_tokens=cfg.train.micro_batch_tokens, refused=refused_degrees(cfg, spec))
     result = plan(spec, work, cluster, eff, top=args.top, space=space, budget=args.budget, trials=args.trials,
                   seed=args.seed)
     if not result.plans:
-        raise nothing_fits(spec, work, cluster, result, cfg.rollout.engine)
+        raise nothing_fits(spec, work, cluster, result, cfg.rollout.engine, space.notes)
     if args.write is not None:
         write_config(args.config, result.plans[0], args.write, cluster)
     if args.json:
         print(json.dumps(to_json(result, model=spec.name, params=param_count(spec), cluster=cluster, base=cfg,
-                                 work=work), indent=1))
+                                 work=work, notes=space.notes), indent=1))
     else:
         out = [f"{spec.name} ({param_count(spec) / 1e9:.2f} B parameters), {work.algo}: "
                f"{work.prompts_per_step} prompts x {work.group_size}, {work.prompt_tokens} + {work.completion_tokens} tokens, "
                f"{work.precision}", search_line(result, cluster), "", format_table(result.plans), "",
-               reasons(result), *[f"note: {n}" for n in runtime_notes(result.plans[0], work)], "",
+               reasons(result), *[f"note: {n}" for n in (*space.notes, *runtime_notes(result.plans[0], work))], "",
                rejections_text(result), "", "# the best plan's config sections:",
                sections_yaml(config_sections(result.plans[0], cluster, cfg))]
         sys.stdout.write("\n".join(out))

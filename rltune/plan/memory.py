@@ -44,6 +44,7 @@ from rltune.plan.catalogue import (
     layer_params,
     param_count,
 )
+from rltune.plan.bounds import MAX_GPUS
 from rltune.plan.errors import PlanError
 from rltune.plan.spec import GB, Candidate, Cluster, LearnerLayout, ModelSpec, RoleMemory, Workload
 
@@ -468,25 +469,28 @@ def memory_problems(spec: ModelSpec, work: Workload, cand: Candidate, cluster: C
     return problems
 
 
-def min_devices_to_fit(spec: ModelSpec, work: Workload, cluster: Cluster, *, limit: int = 1 << 20) -> int:
-    """The fewest learner devices on which the learner fits when fully sharded
-    (``dp_shard`` = N, tp = pp = ep = 1), offload off, every block checkpointed and one row
-    per micro-batch: what the states need, for the message of a cluster too small at any
-    layout. The learner's bytes fall as N grows, so N is found by bisection. Raises
-    :class:`PlanError` when even ``limit`` devices are not enough (what does not shard,
-    one row's activations and logits and the workspace, exceeds a device)."""
+def min_devices_to_fit(spec: ModelSpec, work: Workload, cluster: Cluster, *, limit: int = MAX_GPUS) -> int:
+    """The fewest learner devices on which the learner fits fully sharded (``dp_shard`` =
+    N, tp = pp = ep = 1), every block checkpointed, one row per micro-batch, the
+    parameters on the device or (N > 1, FSDP2's ``offload: params``) the host, whichever
+    fits: for the message of a cluster too small at any layout. Found by bisection.
+    Raises :class:`PlanError` when even ``limit`` devices (the most the search plans
+    for) are not enough (what does not shard exceeds a device)."""
     cap = cluster.memory_gb * GB
 
+    def bytes_at(n: int) -> float:
+        return min(learner_memory(spec, work, Candidate(LearnerLayout(dp_shard=n), micro_batch_tokens=1,
+                                  activation_checkpointing="full", offload=o), cluster).total for o in
+                   (("none", "params") if n > 1 else ("none",)))
+
     def fits(n: int) -> bool:
-        cand = Candidate(learner=LearnerLayout(dp_shard=n), micro_batch_tokens=1, activation_checkpointing="full")
-        return learner_memory(spec, work, cand, cluster).total <= cap
+        return bytes_at(n) <= cap
 
     if not fits(limit):
-        cand = Candidate(learner=LearnerLayout(dp_shard=limit), micro_batch_tokens=1, activation_checkpointing="full")
-        need = learner_memory(spec, work, cand, cluster).total / GB
-        raise PlanError(f"{spec.name}: one learner device needs {need:.1f} GB even sharded over {limit} devices "
-                        f"(one row of {work.tokens_per_sample} tokens), more than the {cluster.memory_gb:g} GB a "
-                        "device has: shorten the sequences or lower train.logprob_chunk_tokens")
+        raise PlanError(f"{spec.name}: one learner device needs {bytes_at(limit) / GB:.1f} GB even sharded over "
+                        f"{limit} devices (one row of {work.tokens_per_sample} tokens), more than the "
+                        f"{cluster.memory_gb:g} GB a device has: shorten the sequences or lower "
+                        "train.logprob_chunk_tokens")
     low, high = 0, 1
     while not fits(high):
         low, high = high, high * 2

@@ -239,7 +239,9 @@ def config_sections(plan: Plan, cluster: Cluster | None = None, base: Any = None
     DDP group (``learner_strategy: ddp``), whose parameters stay whole, as that offload
     needs; so has a LoRA plan on Ray (``base.model.lora``: rltune writes a LoRA
     checkpoint from a DDP group only, and the search gives it no other layout); every
-    other plan's layout is its ``train.parallel``, with no ``learner_strategy``."""
+    other plan's layout is its ``train.parallel``, with no ``learner_strategy``. The
+    input's ``sequence_parallel: true`` stays where the plan has tp > 1 and pp = 1 (the
+    search does not price it; it only shrinks activations) and is set false elsewhere."""
     c, lay = plan.candidate, plan.candidate.learner
     lora_on_ray = c.gpus > 1 and base is not None and base.model.lora is not None
     parallel = c.offload != "optimizer" and not lora_on_ray
@@ -247,6 +249,8 @@ def config_sections(plan: Plan, cluster: Cluster | None = None, base: Any = None
     if parallel:
         train["parallel"] = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
                              "ep": lay.ep, "pp_schedule": lay.pp_schedule}
+        if base is not None and base.train.parallel.sequence_parallel:  # kept where the plan's layout can have it
+            train["parallel"]["sequence_parallel"] = lay.tp > 1 and lay.pp == 1
     train |= {"micro_batch_tokens": c.micro_batch_tokens, "activation_checkpointing": c.activation_checkpointing,
               "offload": c.offload}
     sections: dict[str, Any] = {"runtime": _runtime_section(c, cluster, parallel=parallel), "train": train}
@@ -353,11 +357,12 @@ def plan_json(p: Plan) -> dict[str, Any]:
 
 
 def to_json(result: PlanResult, *, model: str, params: int, cluster: Cluster, base: Any = None,
-            work: Workload | None = None) -> dict[str, Any]:
+            work: Workload | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
     """The answer as one JSON-able object: the model and its ``params``, whether any plan
     ``fits``, the best plan's ``memory_gb``, ``step_s``, ``samples_per_s`` and ``layout``
     at the top level, then the search's account, the ranked ``plans``, the rejection
-    counts, the reasons and the best plan's config sections."""
+    counts, the reasons, the ``notes`` (what the config kept out of the search, then what
+    the written config asks of the cluster) and the best plan's config sections."""
     best = result.plans[0] if result.plans else None
     top = plan_json(best) if best is not None else {"memory_gb": {}, "step_s": None, "samples_per_s": 0.0, "layout": None}
     return {"model": model, "params": params, "gpus": cluster.gpus, "cluster": cluster.name,
@@ -369,5 +374,5 @@ def to_json(result: PlanResult, *, model: str, params: int, cluster: Cluster, ba
             "plans": [plan_json(p) for p in result.plans],
             "rejected": [{"reason": result.examples[k], "kind": k, "count": n} for k, n in result.rejected.items()],
             "reasons": reasons(result),
-            "notes": runtime_notes(best, work) if best is not None and work is not None else [],
+            "notes": [*notes, *(runtime_notes(best, work) if best is not None and work is not None else [])],
             "config": config_sections(best, cluster, base) if best is not None else None}

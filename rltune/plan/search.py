@@ -68,6 +68,8 @@ class SearchSpace:
     replicated_only: bool = False
     """True for LoRA on Ray: rltune writes a LoRA checkpoint only from a replicated (DDP)
     learner group, so the learner's only layout is ``dp_replicate`` = the group."""
+    notes: tuple[str, ...] = ()
+    """What the config keeps out of the space and why (:func:`default_space`'s ``refused``)."""
 
 
 @dataclass(frozen=True)
@@ -103,18 +105,30 @@ def divisors(n: int) -> list[int]:
 
 
 def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: str = "vllm",
-                  max_staleness: int | None = None, micro_batch_tokens: int | None = None) -> SearchSpace:
+                  max_staleness: int | None = None, micro_batch_tokens: int | None = None,
+                  refused: dict[str, str] | None = None) -> SearchSpace:
     """The space for a config: generator TP above 1 only for the vLLM engine (rltune's
     ``hf`` generator holds the whole model on one device); staleness up to the config's
     ``runtime.max_staleness`` (``work.max_staleness``) or ``max_staleness``; the
-    config's own ``micro_batch_tokens`` added to the options."""
+    config's own ``micro_batch_tokens`` added to the options; the learner degrees of
+    ``refused`` (``tp``, ``pp``, ``ep`` to the reason the config rules them out,
+    :func:`~rltune.plan.workload.refused_degrees`) kept at 1, each said in ``notes``."""
     mbt = tuple(sorted({4096, 8192, 16384} | ({micro_batch_tokens} if micro_batch_tokens else set())))
     staleness = work.max_staleness if max_staleness is None else max_staleness
     problems = search_bound_problems(cluster.gpus, staleness, gpus_name="the cluster's gpus",
                                      staleness_name="runtime.max_staleness" if max_staleness is None else "--max-staleness")
     if problems:
         raise PlanError("; ".join(problems))
+    if work.precision == "fp8" and not (cluster.fp8 and cluster.kind == "gpu"):
+        raise PlanError(f"train.precision fp8 needs float8 matmuls (a GPU of compute capability 8.9 or more: "
+                        f"H100, H200, B200, L40S), which {cluster.name} does not have; plan with bf16, or for "
+                        "another --preset")
+    refused = refused or {}
+    fixed = {dim: (1,) for dim in refused}
     return SearchSpace(
+        **fixed,
+        notes=tuple(f"train.parallel {', '.join(d for d in refused if refused[d] == why)} > 1 not searched: {why}"
+                    for why in dict.fromkeys(refused.values())),
         generator_tp=(1, 2, 4, 8) if engine == "vllm" else (1,),
         micro_batch_tokens=mbt,
         max_staleness=staleness,
@@ -123,10 +137,19 @@ def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: 
     )
 
 
+def tp_counts(spec: ModelSpec) -> tuple[int, ...]:
+    """What tensor parallelism splits evenly (``rltune.parallel.layout``'s check): the
+    query and key/value heads, the vocabulary, and the dense MLP width (a dense model's,
+    an MoE model's leading dense layers') and the shared expert's
+    (``rltune.parallel.layout.tp_widths``); routed experts are replicated over tp."""
+    dense = spec.intermediate if not spec.is_moe or spec.dense_layers else 0
+    widths = tuple(w for w in (dense, spec.shared_expert_intermediate) if w)
+    return (spec.heads, spec.kv_heads, spec.vocab, *widths)
+
+
 def _tp_ok(spec: ModelSpec, tp: int, cluster: Cluster) -> bool:
-    """Tensor parallelism splits the query and key/value heads and the vocabulary evenly,
-    within one node (``rltune.parallel.layout``'s check)."""
-    return tp <= cluster.gpus_per_node and all(n % tp == 0 for n in (spec.heads, spec.kv_heads, spec.vocab))
+    """``tp`` divides :func:`tp_counts`, within one node."""
+    return tp <= cluster.gpus_per_node and all(n % tp == 0 for n in tp_counts(spec))
 
 
 def _ep_options(spec: ModelSpec, space: SearchSpace) -> list[int]:
@@ -137,7 +160,7 @@ def _ep_options(spec: ModelSpec, space: SearchSpace) -> list[int]:
 
 def learner_layouts(spec: ModelSpec, world: int, cluster: Cluster, space: SearchSpace) -> Iterator[LearnerLayout]:
     """Every ``train.parallel`` layout of ``world`` ranks in the space that the model's
-    shapes allow: tp dividing heads, kv heads and vocabulary, pp <= layers, ep dividing
+    shapes allow: tp dividing :func:`tp_counts`, pp <= layers, ep dividing
     the experts, the product of the degrees ``world``; only ``dp_replicate = world`` when
     ``space.replicated_only``."""
     if space.replicated_only:
@@ -321,8 +344,8 @@ def plan(spec: ModelSpec, work: Workload, cluster: Cluster, eff: Efficiency, *, 
     size = space_size(spec, work, cluster, space)
     if size == 0:
         raise PlanError(f"no layout of {spec.name} on {cluster.gpus} device(s) is valid in the search space "
-                        f"(tp among {space.tp} dividing heads {spec.heads}, kv heads {spec.kv_heads} and "
-                        f"vocabulary {spec.vocab}; pp among {space.pp} up to {spec.layers} layers)")
+                        f"(tp among {space.tp} dividing heads, kv heads, vocabulary and MLP widths "
+                        f"{tp_counts(spec)}; pp among {space.pp} up to {spec.layers} layers)")
     tally = _Tally()
     if size <= budget:
         for cand in enumerate_candidates(spec, work, cluster, space):

@@ -52,6 +52,10 @@ class ModelSpec:
     shared_expert_intermediate: int = 0
     dense_layers: int = 0
     """With ``experts`` > 0: how many layers (the first ones) keep a dense MLP."""
+    router_aux_loss_coef: float = 0.0
+    """An MoE model's own load-balancing loss coefficient (its ``config.json``'s, else
+    transformers' default 0.001), which ``model.router_aux_loss_coef`` may replace; a
+    non-zero one rules out pipeline stages (``rltune.parallel.layout.PP_AUX_LOSS``)."""
 
     @property
     def is_moe(self) -> bool:
@@ -82,6 +86,9 @@ class Cluster:
     """fp32 matmul rate / 16-bit rate (H100: 67 TF32-off TFLOP/s against 989)."""
     kind: Literal["gpu", "cpu"] = "gpu"
     name: str = "H100 SXM 80GB"
+    fp8: bool = True
+    """The device runs float8 matmuls (compute capability 8.9 or more: Ada, Hopper,
+    Blackwell), which ``train.precision: fp8`` needs (``rltune/learner/precision.py``)."""
 
     @property
     def nodes(self) -> int:

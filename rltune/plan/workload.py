@@ -12,10 +12,11 @@ registry (or miss one registered by a user).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from rltune.plan.errors import PlanError
-from rltune.plan.spec import Workload
+from rltune.plan.spec import ModelSpec, Workload
 
 if TYPE_CHECKING:
     from rltune.config import Config
@@ -88,3 +89,24 @@ def workload_from_config(cfg: Config, *, prompt_tokens: int | None = None,
         minibatches=cfg.algo.minibatches,
         max_staleness=cfg.runtime.max_staleness,
     )
+
+
+def refused_degrees(cfg: Config, spec: ModelSpec) -> dict[str, str]:
+    """The learner degrees (``tp``, ``pp``, ``ep``) that ``rltune train`` refuses above 1
+    for this config at any layout, each with the reason: pipeline stages where
+    ``rltune.parallel.layout.pipeline_problems`` names one (an MoE model's router loss,
+    routing replay, aux-free balancing, LoRA), and every sharded degree under
+    ``train.compile`` (it compiles whole blocks on plain tensors)."""
+    from rltune.parallel.layout import pipeline_problems
+
+    # the model config's keys that rule reads, from the planner's spec of it
+    model = SimpleNamespace(model_type=spec.name, num_experts=spec.experts,
+                            router_aux_loss_coef=spec.router_aux_loss_coef)
+    refused = {}
+    if problems := pipeline_problems(cfg, 2, model):
+        refused["pp"] = "; ".join(problems)
+    if cfg.train.compile:
+        for dim in ("tp", "pp", "ep") if spec.is_moe else ("tp", "pp"):
+            refused.setdefault(dim, "train.compile compiles whole transformer blocks on plain tensors, not on "
+                                    "tp, pp or ep shards")
+    return refused
