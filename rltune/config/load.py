@@ -265,7 +265,8 @@ def _bound(op: str, ctx_key: str) -> Callable[[Loc, dict], str]:
 
 def _validator_message(loc: Loc, err: dict) -> str:
     message = str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
-    return f"{_dotted(loc)}: {message}" if loc else message
+    names_its_key = message.startswith(f"{_dotted(loc)}.")  # a section's check naming its own key
+    return f"{_dotted(loc)}: {message}" if loc and not names_its_key else message
 
 
 def _generic(loc: Loc, err: dict) -> str:

@@ -20,7 +20,8 @@ COLUMNS = ("#", "layout", "stale", "mbt", "ckpt", "offload", "sync", "learner GB
            "generate s", "learn s", "comm s", "sync s", "step s", "samples/s", "gen busy", "learn busy")
 """The table's columns: memory is per device of each role; ``learn s`` holds the
 reference forwards, forward and backward, optimizer and exposed communication, ``comm s``
-that communication alone; ``sync s`` the weight sync; busy shares of the step."""
+that communication alone (with the pipeline's bubble, its stages' idle time); ``sync s``
+the weight sync; busy shares of the step."""
 
 
 def layout_text(c: Candidate) -> str:

@@ -186,6 +186,10 @@ def test_schema_cross_checks_are_config_errors(tmp_path):
     message = error_of(write(tmp_path, REWARD + "algo: {kl_target: 0.1}\n"))
     assert "algo.kl_target adapts the KL in the reward" in message and "Value error" not in message
 
+    # a section's own check that names its key is not prefixed with the section again
+    message = error_of(write(tmp_path, REWARD + "train: {offload: optimizer, precision: fp16}\n"))
+    assert message.split("\n")[1].startswith("  - train.offload: optimizer with precision fp16: ")
+
 
 @pytest.mark.parametrize("name", ["mean", "std", "errors", "timeouts", "dropped", "min", "max"])
 def test_a_reward_named_like_a_statistic_of_the_total_is_refused(tmp_path, name):
