@@ -20,8 +20,9 @@ plain forward: checkpointing changes nothing but the training forward's memory.
 
 A non-reentrant checkpoint needs no input that requires grad, so LoRA's frozen
 embeddings need no ``enable_input_require_grads``; the RNG state is replayed, so a LoRA
-dropout mask is the same in the recompute. With ``train.compile`` the checkpointed
-forward is what gets compiled (dense models; MoE with both is refused).
+dropout mask is the same in the recompute. With ``train.compile`` the checkpoint runs the
+block's compiled forward (:data:`COMPILED_FORWARD`), in the forward and the recompute
+(dense models; MoE with both is refused).
 
 MoE routers installed by :func:`rltune.models.routing.install_routing` run again in the
 recompute: the block's routers then see the forward's recorded routes (replay) but count
@@ -272,8 +273,9 @@ def prepare_memory(model: torch.nn.Module, cfg: Any, parallelism: Any) -> None:
         if find_routers(model):
             raise MemorySettingError(
                 f"train.activation_checkpointing={cfg.activation_checkpointing!r} with train.compile on a "
-                f"mixture-of-experts model ({type(model).__name__}): the compiled recompute would route the "
-                "tokens anew instead of as the forward did (routing replay, counts); turn one of the two off"
+                f"mixture-of-experts model ({type(model).__name__}): the recompute swaps the routers' per-pass "
+                "state (routing replay, counts), which a compiled block is not shown to follow; turn one of the "
+                "two off"
             )
     apply_activation_checkpointing(model, cfg.activation_checkpointing, getattr(cfg, "checkpoint_every", None))
     strategy = type(parallelism).__name__

@@ -233,6 +233,9 @@ def _moe_fields(config: dict[str, Any], model_type: str, layers: int, source: st
     if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
         raise PlanError(f"model config {source}: `mlp_only_layers` is {dense_only!r}, expected a list of "
                         f"layer indices")
+    if any(not 0 <= i < layers for i in dense_only):
+        raise PlanError(f"model config {source}: `mlp_only_layers` {dense_only} names layers outside the "
+                        f"{layers} layers (0 .. {layers - 1})")
     dense_only = set(dense_only)
     first_dense = _count(config, "first_k_dense_replace", source, default=0, minimum=0)
     dense = [i for i in range(layers)
@@ -284,6 +287,16 @@ and the project's own tiny models (``rltune.models.tiny``)."""
 
 
 # --- counts -----------------------------------------------------------------------------
+
+
+def tp_counts(spec: ModelSpec) -> tuple[int, ...]:
+    """What tensor parallelism splits evenly (``rltune.parallel.layout``'s check): the
+    query and key/value heads, the vocabulary, and the dense MLP width (a dense model's,
+    an MoE model's leading dense layers') and the shared expert's
+    (``rltune.parallel.layout.tp_widths``); routed experts are replicated over tp."""
+    dense = spec.intermediate if not spec.is_moe or spec.dense_layers else 0
+    widths = tuple(w for w in (dense, spec.shared_expert_intermediate) if w)
+    return (spec.heads, spec.kv_heads, spec.vocab, *widths)
 
 
 def _attention_weights(spec: ModelSpec) -> int:

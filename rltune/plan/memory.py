@@ -472,16 +472,16 @@ def memory_problems(spec: ModelSpec, work: Workload, cand: Candidate, cluster: C
 def min_devices_to_fit(spec: ModelSpec, work: Workload, cluster: Cluster, *, limit: int = MAX_GPUS) -> int:
     """The fewest learner devices on which the learner fits fully sharded (``dp_shard`` =
     N, tp = pp = ep = 1), every block checkpointed, one row per micro-batch, the
-    parameters on the device or (N > 1, FSDP2's ``offload: params``) the host, whichever
-    fits: for the message of a cluster too small at any layout. Found by bisection.
-    Raises :class:`PlanError` when even ``limit`` devices (the most the search plans
-    for) are not enough (what does not shard exceeds a device)."""
-    cap = cluster.memory_gb * GB
+    parameters on the device or (N > 1, FSDP2's ``offload: params``; not on a CPU cluster
+    or with LoRA) the host, whichever fits: for the message of a cluster too small at any
+    layout. Found by bisection. Raises :class:`PlanError` when even ``limit`` devices
+    (the most the search plans for) are not enough (what does not shard exceeds a device)."""
+    cap, offload = cluster.memory_gb * GB, cluster.kind == "gpu" and work.lora_rank is None
 
     def bytes_at(n: int) -> float:
         return min(learner_memory(spec, work, Candidate(LearnerLayout(dp_shard=n), micro_batch_tokens=1,
                                   activation_checkpointing="full", offload=o), cluster).total for o in
-                   (("none", "params") if n > 1 else ("none",)))
+                   (("none", "params") if n > 1 and offload else ("none",)))
 
     def fits(n: int) -> bool:
         return bytes_at(n) <= cap

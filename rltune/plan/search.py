@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rltune.plan.bounds import MAX_GPUS, MAX_STALENESS, search_bound_problems
+from rltune.plan.catalogue import tp_counts
 from rltune.plan.errors import PlanError
 from rltune.plan.spec import GB, Candidate, Cluster, Efficiency, LearnerLayout, ModelSpec, Plan, StepTime, Workload
 
@@ -110,9 +111,10 @@ def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: 
     """The space for a config: generator TP above 1 only for the vLLM engine (rltune's
     ``hf`` generator holds the whole model on one device); staleness up to the config's
     ``runtime.max_staleness`` (``work.max_staleness``) or ``max_staleness``; the
-    config's own ``micro_batch_tokens`` added to the options; the learner degrees of
-    ``refused`` (``tp``, ``pp``, ``ep`` to the reason the config rules them out,
-    :func:`~rltune.plan.workload.refused_degrees`) kept at 1, each said in ``notes``."""
+    config's own ``micro_batch_tokens`` added to the options; what ``refused`` names
+    (:func:`~rltune.plan.workload.refused_degrees`: ``tp``, ``pp``, ``ep`` kept at 1,
+    ``activation_checkpointing`` at none) left out, each said in ``notes``; no offload on
+    a CPU cluster, whose devices are the host's memory."""
     mbt = tuple(sorted({4096, 8192, 16384} | ({micro_batch_tokens} if micro_batch_tokens else set())))
     staleness = work.max_staleness if max_staleness is None else max_staleness
     problems = search_bound_problems(cluster.gpus, staleness, gpus_name="the cluster's gpus",
@@ -124,10 +126,14 @@ def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: 
                         f"H100, H200, B200, L40S), which {cluster.name} does not have; plan with bf16, or for "
                         "another --preset")
     refused = refused or {}
-    fixed = {dim: (1,) for dim in refused}
+    fixed: dict[str, tuple] = {dim: (1,) for dim in refused if dim in ("tp", "pp", "ep")}
+    if "activation_checkpointing" in refused:
+        fixed["activation_checkpointing"] = ("none",)
+    if cluster.kind == "cpu":  # no device memory apart from the host's: rltune refuses offload there
+        fixed["offload"] = ("none",)
     return SearchSpace(
         **fixed,
-        notes=tuple(f"train.parallel {', '.join(d for d in refused if refused[d] == why)} > 1 not searched: {why}"
+        notes=tuple(_refused_note([d for d in refused if refused[d] == why], why)
                     for why in dict.fromkeys(refused.values())),
         generator_tp=(1, 2, 4, 8) if engine == "vllm" else (1,),
         micro_batch_tokens=mbt,
@@ -137,14 +143,11 @@ def default_space(spec: ModelSpec, work: Workload, cluster: Cluster, *, engine: 
     )
 
 
-def tp_counts(spec: ModelSpec) -> tuple[int, ...]:
-    """What tensor parallelism splits evenly (``rltune.parallel.layout``'s check): the
-    query and key/value heads, the vocabulary, and the dense MLP width (a dense model's,
-    an MoE model's leading dense layers') and the shared expert's
-    (``rltune.parallel.layout.tp_widths``); routed experts are replicated over tp."""
-    dense = spec.intermediate if not spec.is_moe or spec.dense_layers else 0
-    widths = tuple(w for w in (dense, spec.shared_expert_intermediate) if w)
-    return (spec.heads, spec.kv_heads, spec.vocab, *widths)
+def _refused_note(names: list[str], why: str) -> str:
+    degrees = [d for d in names if d != "activation_checkpointing"]
+    parts = [f"train.parallel {', '.join(degrees)} > 1"] if degrees else []
+    parts += ["train.activation_checkpointing full or selective"] if len(degrees) < len(names) else []
+    return f"{' and '.join(parts)} not searched: {why}"
 
 
 def _tp_ok(spec: ModelSpec, tp: int, cluster: Cluster) -> bool:

@@ -92,21 +92,29 @@ def workload_from_config(cfg: Config, *, prompt_tokens: int | None = None,
 
 
 def refused_degrees(cfg: Config, spec: ModelSpec) -> dict[str, str]:
-    """The learner degrees (``tp``, ``pp``, ``ep``) that ``rltune train`` refuses above 1
-    for this config at any layout, each with the reason: pipeline stages where
-    ``rltune.parallel.layout.pipeline_problems`` names one (an MoE model's router loss,
-    routing replay, aux-free balancing, LoRA), and every sharded degree under
-    ``train.compile`` (it compiles whole blocks on plain tensors)."""
+    """What ``rltune train`` refuses for this config at any layout, each with the reason:
+    the learner degrees ``tp``, ``pp``, ``ep`` above 1, and ``activation_checkpointing``
+    other than none. Pipeline stages where ``rltune.parallel.layout.pipeline_problems``
+    names a reason (an MoE model's router loss, routing replay, aux-free balancing, LoRA)
+    or ``rltune.learner.precision.precision_problems`` does (fp16); every sharded degree
+    under ``train.compile`` (it compiles whole blocks on plain tensors), and checkpointing
+    with it on an MoE model (``rltune.learner.memory.prepare_memory``)."""
+    from rltune.learner.precision import precision_problems
     from rltune.parallel.layout import pipeline_problems
 
     # the model config's keys that rule reads, from the planner's spec of it
     model = SimpleNamespace(model_type=spec.name, num_experts=spec.experts,
                             router_aux_loss_coef=spec.router_aux_loss_coef)
+    stages = SimpleNamespace(pp=2)
+    fp16 = precision_problems("fp16", stages) if cfg.train.precision == "fp16" else []
     refused = {}
-    if problems := pipeline_problems(cfg, 2, model):
+    if problems := [*pipeline_problems(cfg, 2, model), *fp16]:
         refused["pp"] = "; ".join(problems)
     if cfg.train.compile:
         for dim in ("tp", "pp", "ep") if spec.is_moe else ("tp", "pp"):
             refused.setdefault(dim, "train.compile compiles whole transformer blocks on plain tensors, not on "
                                     "tp, pp or ep shards")
+        if spec.is_moe:
+            refused["activation_checkpointing"] = ("train.compile with activation checkpointing is refused for a "
+                                                   "mixture-of-experts model")
     return refused

@@ -315,10 +315,9 @@ def test_offloaded_optimizer_on_a_gpu_equals_plain_adamw_and_resumes(tiny_model)
 
 
 def test_checkpointed_blocks_compile_with_train_compile(tiny_model) -> None:
-    """``train.compile`` compiles the checkpointed forward (rltune/learner/compiled.py):
-    dynamo takes the non-reentrant checkpoint of a dense block (no context to replay) and
-    the gradients are the plain ones (aot_eager runs the traced ops as eager does:
-    1e-6, measured 0)."""
+    """``train.compile`` with checkpointing (rltune/learner/compiled.py): the checkpoint
+    runs the block's compiled forward, and the gradients are the plain ones (aot_eager
+    runs the traced ops as eager does: 1e-6, measured 0)."""
     from rltune.learner.compiled import compile_blocks
 
     ids = torch.randint(4, 260, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -375,7 +374,9 @@ def test_learner_with_offloaded_optimizer_steps_as_the_plain_learner(tiny_model,
 
 
 def test_checkpointing_with_compile_is_refused_for_moe(tiny_moe_model) -> None:
-    """Compiled, the checkpoint takes no routing context: the recompute would route the
-    tokens anew (measured: gradients off by ~1.8 with replay), so the pair is refused."""
+    """The recompute swaps the routers' per-pass state (replay, counts), which a compiled
+    block is not shown to follow (when the checkpoint itself was compiled it took no
+    routing context and routed the tokens anew: gradients off by ~1.8), so the pair is
+    refused."""
     with pytest.raises(ValueError, match="with train.compile on a mixture-of-experts model"):
         _learner(copy.deepcopy(tiny_moe_model), activation_checkpointing="full", compile=True)

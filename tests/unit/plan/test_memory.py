@@ -288,6 +288,8 @@ def test_min_devices_to_fit():
     # do (the search plans such layouts: the minimum must not say more)
     assert total(2, "params") == pytest.approx(1.1 * (4.84e9 + 1.05e9 + 10.27e9) + 1e9, rel=0.01)
     assert m.min_devices_to_fit(spec, w, GPU) == 2
+    # a CPU cluster offloads nothing (host and device are one memory; rltune refuses it there)
+    assert m.min_devices_to_fit(spec, w, dataclasses.replace(GPU, kind="cpu")) > 2
     # one device offloads nothing: a model whose states fit one device needs 1
     assert m.min_devices_to_fit(CATALOGUE["tiny"], w, GPU) == 1
     # 16 GB: below the 18.8 GB that no sharding or offload removes, at any device count

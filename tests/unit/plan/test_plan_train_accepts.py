@@ -14,13 +14,14 @@ import yaml
 from rich.console import Console
 
 from rltune.config import load_config
+from rltune.learner.precision import check_precision
 from rltune.parallel.layout import run_layout
-from rltune.plan.catalogue import load_model_spec
+from rltune.plan.catalogue import load_model_spec, tp_counts
 from rltune.plan.cluster import PRESETS, cluster_from_args, load_cluster
 from rltune.plan.command import add_arguments, cmd_plan, flag_problems
 from rltune.plan.errors import PlanError
 from rltune.plan.report import config_sections
-from rltune.plan.search import default_space, learner_layouts, tp_counts
+from rltune.plan.search import default_space, learner_layouts
 from rltune.plan.spec import Candidate, Cluster, LearnerLayout, Plan, RoleMemory, StepTime
 from rltune.plan.workload import refused_degrees, workload_from_config
 
@@ -56,9 +57,13 @@ def _experiment(tmp_path, shape: dict, **sections) -> str:
 
 
 def _plan_and_train_layout(path: str, out, *flags: str):
+    """Plan ``path`` and write the best plan to ``out``; the checks ``rltune train`` runs
+    on it before loading the model raise for a layout or precision it refuses."""
     assert cmd_plan(_args(path, *flags, "--write", str(out)), Console(quiet=True)) == 0
     cfg = load_config(out)
-    return cfg, run_layout(cfg)  # raises LayoutError for a layout `rltune train` refuses
+    layout = run_layout(cfg)
+    check_precision(cfg, layout)
+    return cfg, layout
 
 
 def test_an_moe_models_router_loss_keeps_pipeline_stages_out(tmp_path):
@@ -69,7 +74,7 @@ def test_an_moe_models_router_loss_keeps_pipeline_stages_out(tmp_path):
     refused = refused_degrees(cfg, spec)
     assert list(refused) == ["pp"] and "load-balancing loss (coefficient 0.001" in refused["pp"]
     space = default_space(spec, workload_from_config(cfg), Cluster(gpus=32), refused=refused)
-    assert space.pp == (1,) and space.notes[0].startswith("train.parallel pp > 1 not searched: ")
+    assert space.pp == (1,) and space.notes[0].startswith("train.parallel pp > 1 not searched: train.parallel.pp")
     written, layout = _plan_and_train_layout(path, tmp_path / "out.yaml", "--gpus", "32")
     assert layout.pp == 1 and written.runtime.placement.learners == layout.world
     # without the loss, pipeline stages are searched again
@@ -95,11 +100,34 @@ def test_train_compile_keeps_the_sharded_degrees_out(tmp_path):
     path = _experiment(tmp_path, MIXTRAL, train={"compile": True}, model={"router_aux_loss_coef": 0})
     cfg = load_config(path)
     spec = load_model_spec(cfg.model.path)
-    assert set(refused_degrees(cfg, spec)) == {"tp", "pp", "ep"}
+    # and on an MoE model checkpointing with it (refused by the learner once the model is loaded)
+    assert set(refused_degrees(cfg, spec)) == {"tp", "pp", "ep", "activation_checkpointing"}
+    space = default_space(spec, workload_from_config(cfg), Cluster(gpus=8), refused=refused_degrees(cfg, spec))
+    assert space.activation_checkpointing == ("none",) and space.notes == (
+        "train.parallel tp, pp, ep > 1 not searched: train.compile compiles whole transformer blocks on plain "
+        "tensors, not on tp, pp or ep shards",
+        "train.activation_checkpointing full or selective not searched: train.compile with activation "
+        "checkpointing is refused for a mixture-of-experts model")
     dense = load_config(_experiment(tmp_path, {**MIXTRAL, "model_type": "llama"}, train={"compile": True}))
     assert set(refused_degrees(dense, load_model_spec(dense.model.path))) == {"tp", "pp"}  # no experts to split
     written, layout = _plan_and_train_layout(path, tmp_path / "out.yaml", "--gpus", "8")
     assert layout.tp == layout.pp == layout.ep == 1 and written.train.compile
+    assert written.train.activation_checkpointing == "none"
+
+
+def test_fp16_keeps_pipeline_stages_out(tmp_path):
+    path = _experiment(tmp_path, {**MIXTRAL, "model_type": "llama"}, train={"precision": "fp16"})
+    cfg = load_config(path)
+    refused = refused_degrees(cfg, load_model_spec(cfg.model.path))
+    assert list(refused) == ["pp"] and "the pipeline schedule runs the backward itself" in refused["pp"]
+    _, layout = _plan_and_train_layout(path, tmp_path / "out.yaml", "--gpus", "16")
+    assert layout.pp == 1
+
+
+def test_a_cpu_cluster_plans_no_offload():
+    cpu = Cluster(gpus=2, memory_gb=12, kind="cpu", name="this CPU", fp8=False)
+    assert default_space(SMALL, grpo(), cpu).offload == ("none",)
+    assert len(default_space(SMALL, grpo(), Cluster(gpus=2)).offload) == 3
 
 
 def test_the_inputs_sequence_parallel_stays_only_where_the_plan_has_tp(tmp_path):
@@ -151,6 +179,7 @@ def test_an_empty_preset_is_the_default_device(tmp_path):
     ("mlp_only_layers", [[0]], r"`mlp_only_layers` is \[\[0\]\], expected a list of layer indices"),
     ("tie_word_embeddings", "false", "`tie_word_embeddings` is 'false', expected true or false"),
     ("router_aux_loss_coef", "big", "`router_aux_loss_coef` is 'big', expected a number >= 0"),
+    ("mlp_only_layers", [0, 7], r"`mlp_only_layers` \[0, 7\] names layers outside the 2 layers \(0 .. 1\)"),
 ])
 def test_a_malformed_model_config_is_one_line(tmp_path, key, value, message):
     moe = {"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
