@@ -99,14 +99,16 @@ def refused_degrees(cfg: Config, spec: ModelSpec) -> dict[str, str]:
     or ``rltune.learner.precision.precision_problems`` does (fp16); every sharded degree
     under ``train.compile`` (it compiles whole blocks on plain tensors), and checkpointing
     with it on an MoE model (``rltune.learner.memory.prepare_memory``)."""
-    from rltune.learner.precision import precision_problems
     from rltune.parallel.layout import pipeline_problems
 
     # the model config's keys that rule reads, from the planner's spec of it
     model = SimpleNamespace(model_type=spec.name, num_experts=spec.experts,
                             router_aux_loss_coef=spec.router_aux_loss_coef)
-    stages = SimpleNamespace(pp=2)
-    fp16 = precision_problems("fp16", stages) if cfg.train.precision == "fp16" else []
+    fp16 = []
+    if cfg.train.precision == "fp16":  # imports torch: a bf16 or fp32 plan stays without it
+        from rltune.learner.precision import precision_problems
+
+        fp16 = precision_problems("fp16", SimpleNamespace(pp=2))
     refused = {}
     if problems := [*pipeline_problems(cfg, 2, model), *fp16]:
         refused["pp"] = "; ".join(problems)
