@@ -243,16 +243,24 @@ def convert_fp8(model: torch.nn.Module) -> torch.nn.Module:
     convert_to_float8_training(model, module_filter_fn=keep)
     for module in model.modules():
         if type(module).__name__ == "Float8Linear":
-            module.forward = _outside_autocast(module.forward)
+            module.forward = _float8_or_plain(module, module.forward)
     return model
 
 
-def _outside_autocast(forward: Any) -> Any:
-    """A float8 linear's forward run with autocast off, its input cast to the autocast
-    dtype first: autocast would otherwise try to cast torchao's float8 tensors inside the
-    matmul, which they do not support; the float8 cast and scaling are the module's own."""
+def _float8_or_plain(module: torch.nn.Module, forward: Any) -> Any:
+    """A float8 linear's forward for the learner, and a plain product for the sampler.
+
+    Under ``torch.inference_mode`` (the HF generator's decode, and nothing the learner
+    runs: its no-grad log-probs use ``no_grad``) the layer is an ``F.linear`` in the
+    generator's own precision (autocast's dtype, else the weights'), so an fp8 run samples
+    in bf16 as :func:`generator_precision` says. Otherwise the float8 forward runs with
+    autocast off, its input cast to the autocast dtype first: autocast would otherwise try
+    to cast torchao's float8 tensors inside the matmul, which they do not support; the
+    float8 cast and scaling are the module's own."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():
+            return torch.nn.functional.linear(x, module.weight, module.bias)
         kind = x.device.type
         if not torch.is_autocast_enabled(kind):
             return forward(x)

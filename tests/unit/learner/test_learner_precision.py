@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from rltune.config import load_config
+from rltune.data.collate import collate_rollouts
 from rltune.data.records import Prompt, SamplingParams
 from rltune.learner.learner import LocalLearner
 from rltune.learner.precision import (
     Precision,
+    _float8_or_plain,
     PrecisionError,
     check_precision,
     fp8_problems,
@@ -218,3 +220,56 @@ def test_fp8_on_ray_is_judged_by_the_learners_gpus_not_this_machines():
     check_precision(load_config(None, [*ray, "runtime.placement.learner.gpus=1"]))
     with pytest.raises(PrecisionError, match=r"the learners reserve none \(runtime.placement.learner.gpus: 0\)"):
         check_precision(load_config(None, ray))
+
+
+class _Float8Like(torch.nn.Linear):
+    """A class of its own, as torchao's ``Float8Linear`` is: the generator's lean decode
+    takes plain ``nn.Linear`` only, so the model's own forward runs, as with fp8."""
+
+
+def test_fp8_linears_are_plain_products_in_the_decode_and_float8_in_the_learner(tiny_model, tiny_path):
+    """``convert_fp8`` gives each float8 linear :func:`_float8_or_plain`'s forward (torchao
+    needs a CUDA GPU, so a stand-in for its float8 forward records each call here). The HF
+    generator's decode (``torch.inference_mode``) never reaches the float8 forward: it
+    samples with plain products in its own precision, the same draws and log-probs to the
+    bit as the unconverted model under the same bf16 autocast. The learner's no-grad
+    log-probs and its training forward do reach it, with autocast off inside and the input
+    in the autocast dtype."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    prompts = [Prompt(id=str(i), text="", input_ids=tokenizer.encode(f"{i} + {i} =")) for i in range(3)]
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+    calls: list[tuple[torch.dtype, bool]] = []
+
+    def float8_forward(module):
+        def forward(x):
+            calls.append((x.dtype, torch.is_autocast_enabled("cpu")))
+            return torch.nn.functional.linear(x, module.weight.to(x.dtype), module.bias.to(x.dtype)
+                                              if module.bias is not None else None)
+        return forward
+
+    plain, converted = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    for model in (plain, converted):  # both off the lean decode, so the two run the same code
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+                module.__class__ = _Float8Like
+                if model is converted:
+                    module.forward = _float8_or_plain(module, float8_forward(module))
+    out = {}
+    for key, model in (("plain", plain), ("converted", converted)):
+        generator = HFGenerator(model, tokenizer, rng=torch.Generator().manual_seed(0), precision="bf16")
+        out[key] = generator.generate(prompts, params)
+    assert calls == []  # the decode never ran the float8 forward
+    for a, b in zip(out["plain"], out["converted"], strict=True):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.completion_logprobs, b.completion_logprobs)
+
+    learner = make_learner(converted, "grpo", "token-mean", precision="bf16")
+    batch = collate_rollouts(out["converted"], pad_id=tokenizer.pad_token_id)
+    learner.logprobs(batch)
+    assert calls and set(calls) == {(torch.bfloat16, False)}  # float8, in the autocast dtype, autocast off
+    calls.clear()
+    batch.advantages = torch.ones_like(batch.loss_mask)
+    learner.step(batch)
+    assert calls and set(calls) == {(torch.bfloat16, False)}
