@@ -27,6 +27,7 @@ figures compare precisions with one another, not with a real run's.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -113,8 +114,10 @@ def measure_steps(learner, batch, steps: int, device: torch.device) -> dict:
             "loss_scale": None if scale is None else float(scale.value)}
 
 
-def measure_mismatch(learner, model, precision: str, args, device: torch.device) -> dict:
-    """Generator vs learner log-probs on the generator's own samples (see the module docstring)."""
+def measure_mismatch(learner, model, exact_model, precision: str, args, device: torch.device) -> dict:
+    """Generator vs learner log-probs on the generator's own samples (see the module
+    docstring); ``exact_model``: the same weights unconverted (fp8 converts ``model``'s
+    linears in place), whose fp32 forward both sides are measured against."""
     from rltune.data.collate import collate_rollouts
     from rltune.data.records import Prompt, SamplingParams
     from rltune.learner.learner import predict
@@ -133,7 +136,7 @@ def measure_mismatch(learner, model, precision: str, args, device: torch.device)
     mask = batch.loss_mask.to(device)
     engine = batch.behaviour_logprobs.to(device)
     learner_lp = learner.logprobs(_on(batch, device))  # one process: the learner does not place batches
-    exact = predict(model.eval(), logprobs_only, _on(batch, device), "logprobs", budget=1 << 20)
+    exact = predict(exact_model.eval(), logprobs_only, _on(batch, device), "logprobs", budget=1 << 20)
 
     def gap(a, b) -> float:
         return float(((a - b).abs() * mask).sum() / mask.sum())
@@ -151,9 +154,11 @@ def _on(batch, device: torch.device):
 
 def run_one(precision: str, args, device: torch.device) -> dict:
     model = build_model(args.size, device)
+    exact_model = copy.deepcopy(model) if precision == "fp8" else model
     learner = make_learner(model, precision)
     row = {"precision": precision}
-    row.update(measure_mismatch(learner, model, precision, args, device))
+    row.update(measure_mismatch(learner, model, exact_model, precision, args, device))
+    del exact_model  # not in the step's peak memory
     batch = _on(step_batch(model.config.vocab_size, args.rows, args.seq, prompt=args.seq // 8), device)
     row.update(measure_steps(learner, batch, args.steps, device))
     return row
