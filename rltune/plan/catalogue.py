@@ -330,10 +330,10 @@ def _shared_expert(spec: ModelSpec) -> int:
     return _mlp(spec, spec.shared_expert_intermediate) + spec.hidden
 
 
-def _mlp_weights(spec: ModelSpec, layer: int, experts: int) -> int:
-    """One layer's MLP matmul weights with ``experts`` routed experts counted (a dense
-    layer ignores ``experts``); the router is ``hidden x experts``."""
-    if not _is_sparse(spec, layer):
+def _mlp_of(spec: ModelSpec, sparse: bool, experts: int) -> int:
+    """A dense or MoE layer's MLP matmul weights with ``experts`` routed experts counted (a
+    dense layer ignores ``experts``); the router is ``hidden x experts``."""
+    if not sparse:
         return _mlp(spec, spec.intermediate)
     router = spec.hidden * spec.experts
     return router + experts * _mlp(spec, spec.expert_intermediate) + _shared_expert(spec)
@@ -348,7 +348,21 @@ def layer_params(spec: ModelSpec, layer: int) -> int:
     """Parameters of transformer block ``layer`` (0-based): attention with its biases and
     norms, the two RMSNorms, and the MLP (every expert of an MoE layer)."""
     _check_layer(spec, layer)
-    return _attention_weights(spec) + _attention_extras(spec) + _mlp_weights(spec, layer, spec.experts)
+    return block_params(spec, sparse=_is_sparse(spec, layer))
+
+
+def block_params(spec: ModelSpec, *, sparse: bool) -> int:
+    """:func:`layer_params` of any dense (``sparse`` False) or MoE layer: every layer of a
+    kind has the same parameters, so sums over layers are counts times this."""
+    return _attention_weights(spec) + _attention_extras(spec) + _mlp_of(spec, sparse, spec.experts)
+
+
+def sparse_in(spec: ModelSpec, lo: int, hi: int) -> int:
+    """How many of layers ``lo .. hi - 1`` are MoE layers (the dense ones of an MoE model
+    are a leading block of ``dense_layers``)."""
+    if not spec.is_moe:
+        return 0
+    return max(0, hi - max(lo, spec.dense_layers))
 
 
 def embedding_params(spec: ModelSpec) -> int:
@@ -358,14 +372,30 @@ def embedding_params(spec: ModelSpec) -> int:
 
 def param_count(spec: ModelSpec) -> int:
     """Every parameter: embeddings, the blocks, the final RMSNorm (a tied matrix once)."""
-    return embedding_params(spec) + sum(layer_params(spec, i) for i in range(spec.layers)) + spec.hidden
+    sparse = sparse_in(spec, 0, spec.layers)
+    blocks = (spec.layers - sparse) * block_params(spec, sparse=False) + sparse * block_params(spec, sparse=True)
+    return embedding_params(spec) + blocks + spec.hidden
+
+
+def lora_params(spec: ModelSpec, rank: int) -> int:
+    """Adapter parameters of ``lora.target_modules: all-linear`` at rank r: ``r (in + out)``
+    per adapted linear (A is ``r x in``, B ``out x r``; Hu et al. 2021). Adapted: q, k, v,
+    o and the gated MLP (gate, up, down) of every block, dense or shared-expert; not the
+    head (all-linear excludes it), not the routed experts (fused 3-D parameters in
+    transformers 5, not ``nn.Linear``) nor the router."""
+    h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    attention = rank * ((h + q) + 2 * (h + kv) + (q + h))
+    sparse = sparse_in(spec, 0, spec.layers)
+    total = spec.layers * attention
+    for count, width in ((spec.layers - sparse, spec.intermediate), (sparse, spec.shared_expert_intermediate)):
+        total += count * (3 * rank * (h + width) if width else 0)
+    return total
 
 
 def expert_params(spec: ModelSpec) -> int:
     """All routed experts of the model (not the routers, not the shared expert); 0 for a
     dense model."""
-    sparse = sum(1 for i in range(spec.layers) if _is_sparse(spec, i))
-    return sparse * spec.experts * _mlp(spec, spec.expert_intermediate)
+    return sparse_in(spec, 0, spec.layers) * spec.experts * _mlp(spec, spec.expert_intermediate)
 
 
 def active_param_count(spec: ModelSpec) -> int:
@@ -382,9 +412,9 @@ def matmul_params_per_token(spec: ModelSpec) -> int:
     """Weights one token multiplies: the attention and MLP linears of every block (its
     ``experts_per_token`` experts, the router and any shared expert) and the LM head;
     not the input embedding, norms or biases."""
-    blocks = sum(_attention_weights(spec) + _mlp_weights(spec, i, spec.experts_per_token)
-                 for i in range(spec.layers))
-    return blocks + spec.vocab * spec.hidden
+    sparse = sparse_in(spec, 0, spec.layers)
+    mlps = (spec.layers - sparse) * _mlp_of(spec, False, 0) + sparse * _mlp_of(spec, True, spec.experts_per_token)
+    return spec.layers * _attention_weights(spec) + mlps + spec.vocab * spec.hidden
 
 
 def attention_flops_per_key(spec: ModelSpec) -> float:

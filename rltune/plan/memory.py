@@ -38,11 +38,13 @@ import functools
 import math
 
 from rltune.plan.catalogue import (
+    block_params,
     embedding_params,
     expert_params,
     kv_bytes_per_token,
-    layer_params,
+    lora_params,
     param_count,
+    sparse_in,
 )
 from rltune.plan.bounds import MAX_GPUS
 from rltune.plan.errors import PlanError
@@ -102,24 +104,8 @@ def bytes_per_param(precision: str, *, lora: bool = False, model_dtype: str = "f
     return {"weights": w, "gradients": w, "optimizer": 2.0 * w, "master": 0.0}
 
 
-def lora_params(spec: ModelSpec, rank: int) -> int:
-    """Adapter parameters of ``lora.target_modules: all-linear`` at rank r: ``r (in + out)``
-    per adapted linear (A is ``r x in``, B ``out x r``; Hu et al. 2021). Adapted: q, k, v,
-    o and the gated MLP (gate, up, down) of every block, dense or shared-expert; not the
-    head (all-linear excludes it), not the routed experts (fused 3-D parameters in
-    transformers 5, not ``nn.Linear``) nor the router."""
-    h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    attention = rank * ((h + q) + 2 * (h + kv) + (q + h))
-    total = 0
-    for layer in range(spec.layers):
-        sparse = spec.is_moe and layer >= spec.dense_layers
-        width = spec.shared_expert_intermediate if sparse else spec.intermediate
-        total += attention + (3 * rank * (h + width) if width else 0)
-    return total
-
-
 def _routed_per_layer(spec: ModelSpec) -> float:
-    sparse = spec.layers - spec.dense_layers if spec.is_moe else 0
+    sparse = sparse_in(spec, 0, spec.layers)
     return expert_params(spec) / sparse if sparse else 0.0
 
 
@@ -146,8 +132,10 @@ def param_split(spec: ModelSpec, layout: LearnerLayout) -> tuple[float, float]:
     best: tuple[float, float] = (0.0, 0.0)
     stages = stage_layers(spec.layers, layout.pp)
     for index, span in enumerate(stages):
-        experts = routed * sum(1 for i in span if spec.is_moe and i >= spec.dense_layers)
-        dense = sum(layer_params(spec, i) for i in span) - experts
+        sparse = sparse_in(spec, span.start, span.stop)
+        experts = routed * sparse
+        blocks = (len(span) - sparse) * block_params(spec, sparse=False) + sparse * block_params(spec, sparse=True)
+        dense = blocks - experts
         if layout.pp == 1:
             dense += embedding_params(spec) + spec.hidden
         else:
@@ -279,16 +267,17 @@ def pipeline_in_flight(work: Workload, cand: Candidate) -> int:
     return count if cand.learner.pp_schedule == "gpipe" else min(cand.learner.pp, count)
 
 
-def checkpointed_layers(layers: range, mode: str) -> set[int]:
-    """The block indices ``mode`` checkpoints among ``layers`` (global indices), as
+def checkpointed_count(lo: int, hi: int, mode: str) -> int:
+    """How many of blocks ``lo .. hi - 1`` (global indices) ``mode`` checkpoints, as
     ``rltune.learner.memory.checkpointed_indices`` picks them: none, all (``full``) or
-    the 2nd, 4th, ... (``selective``, :data:`CHECKPOINT_EVERY`)."""
+    the k-th, 2k-th, ... (``selective``, k = :data:`CHECKPOINT_EVERY`: block i when
+    ``(i + 1) % k == 0``, so ``hi // k - lo // k`` of them)."""
     if mode == "none":
-        return set()
+        return 0
     if mode == "full":
-        return set(layers)
+        return max(0, hi - lo)
     if mode == "selective":
-        return {i for i in layers if (i + 1) % CHECKPOINT_EVERY == 0}
+        return max(0, hi // CHECKPOINT_EVERY - lo // CHECKPOINT_EVERY)
     raise PlanError(f"train.activation_checkpointing={mode!r}: expected none, full or selective")
 
 
@@ -299,25 +288,26 @@ def activation_bytes(spec: ModelSpec, work: Workload, cand: Candidate) -> float:
     or, for a checkpointed block, its input (``h`` in ``model.dtype``, whole over tp);
     plus one checkpointed block's full activations while it is recomputed. Under 16-bit
     autocast over fp32 weights each uncheckpointed block's matmuls also keep the 16-bit
-    copies of its weights for the backward (2 bytes per block parameter, /tp, experts /ep)."""
+    copies of its weights for the backward (2 bytes per block parameter, /tp, experts /ep).
+    Blocks of a kind (dense, MoE) weigh the same, so each kind is counted, not each block."""
     layout = cand.learner
     rows, _ = micro_batches(work, cand)
     tokens = rows * work.tokens_per_sample
     span = stage_layers(spec.layers, layout.pp)[0]
-    kept = checkpointed_layers(span, cand.activation_checkpointing)
     copies = 2.0 if work.precision != "fp32" and work.model_dtype == "float32" else 0.0
     routed = _routed_per_layer(spec)
+    first_sparse = span.stop - sparse_in(spec, span.start, span.stop)
     saved, recompute = 0.0, 0.0
-    for i in span:
-        sparse = spec.is_moe and i >= spec.dense_layers
+    for sparse, lo, hi in ((False, span.start, first_sparse), (True, first_sparse, span.stop)):
+        if hi <= lo:
+            continue
         full = tokens * layer_activation_bytes(spec, sparse=sparse, compute=compute_bytes(work), tp=layout.tp)
         experts = routed if sparse else 0.0
-        full += copies * ((layer_params(spec, i) - experts) / layout.tp + experts / layout.ep)
-        if i in kept:
-            saved += tokens * spec.hidden * DTYPE_BYTES[work.model_dtype]
+        full += copies * ((block_params(spec, sparse=sparse) - experts) / layout.tp + experts / layout.ep)
+        kept = checkpointed_count(lo, hi, cand.activation_checkpointing)
+        saved += kept * tokens * spec.hidden * DTYPE_BYTES[work.model_dtype] + (hi - lo - kept) * full
+        if kept:
             recompute = max(recompute, full)
-        else:
-            saved += full
     return pipeline_in_flight(work, cand) * saved + recompute
 
 
@@ -383,8 +373,10 @@ def fsdp_buffer_bytes(spec: ModelSpec, work: Workload, cand: Candidate) -> float
 def _largest_block(spec: ModelSpec, layout: LearnerLayout) -> float:
     """Parameters of the largest block one device computes: dense /tp, routed experts /ep."""
     routed = _routed_per_layer(spec)
-    experts = [routed if spec.is_moe and i >= spec.dense_layers else 0.0 for i in range(spec.layers)]
-    return max((layer_params(spec, i) - e) / layout.tp + e / layout.ep for i, e in enumerate(experts))
+    sparse = sparse_in(spec, 0, spec.layers)
+    kinds = [kind for kind, count in ((False, spec.layers - sparse), (True, sparse)) if count]
+    return max((block_params(spec, sparse=kind) - routed * kind) / layout.tp + routed * kind / layout.ep
+               for kind in kinds)
 
 
 def workspace_bytes(allocated: float, cluster: Cluster) -> float:

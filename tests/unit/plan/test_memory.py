@@ -295,3 +295,83 @@ def test_min_devices_to_fit():
     # 16 GB: below the 18.8 GB that no sharding or offload removes, at any device count
     with pytest.raises(PlanError, match="even sharded over 2048 devices"):
         m.min_devices_to_fit(spec, w, Cluster(gpus=8, memory_gb=16))
+
+
+# ------------------------------------------------------------- sums over layers, by kind
+
+# 7 layers: 3 dense, then 4 MoE with a shared expert; every layer kind is in some stage.
+MIXED = dataclasses.replace(MOE, name="mixed", layers=7, dense_layers=3, shared_expert_intermediate=6)
+
+
+def _brute_activation_bytes(spec: ModelSpec, w: Workload, cand: Candidate) -> float:
+    """activation_bytes block by block, as its docstring reads, for the counting form."""
+    from rltune.learner.memory import checkpointed_indices
+    from rltune.plan.catalogue import layer_params
+
+    rows, _ = m.micro_batches(w, cand)
+    tokens, lay = rows * w.tokens_per_sample, cand.learner
+    span = m.stage_layers(spec.layers, lay.pp)[0]
+    kept = set(checkpointed_indices(spec.layers, cand.activation_checkpointing, m.CHECKPOINT_EVERY))
+    copies = 2.0 if w.precision != "fp32" and w.model_dtype == "float32" else 0.0
+    routed = m.expert_params(spec) / (spec.layers - spec.dense_layers)
+    saved, recompute = 0.0, 0.0
+    for i in span:
+        sparse = i >= spec.dense_layers
+        experts = routed if sparse else 0.0
+        full = tokens * m.layer_activation_bytes(spec, sparse=sparse, compute=m.compute_bytes(w), tp=lay.tp) \
+            + copies * ((layer_params(spec, i) - experts) / lay.tp + experts / lay.ep)
+        saved += tokens * spec.hidden * 4 if i in kept else full
+        recompute = max(recompute, full) if i in kept else recompute
+    return m.pipeline_in_flight(w, cand) * saved + recompute
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_checkpointed_count_is_what_the_learner_checkpoints(mode):
+    from rltune.learner.memory import checkpointed_indices
+
+    picked = checkpointed_indices(9, mode, m.CHECKPOINT_EVERY)
+    for lo in range(10):
+        for hi in range(lo, 10):
+            assert m.checkpointed_count(lo, hi, mode) == sum(lo <= i < hi for i in picked), (lo, hi)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_activation_bytes_counts_each_kind_as_block_by_block(pp, mode):
+    """The dense and the MoE blocks of a stage (3 + 4 here, split over pp stages so that
+    a stage starts inside either kind) give the same bytes as adding them one by one; only
+    the summation order differs (a few ulps)."""
+    w = work(precision="bf16")
+    cand = Candidate(LearnerLayout(pp=pp, tp=2, ep=2, dp_shard=2), micro_batch_tokens=128, activation_checkpointing=mode)
+    assert m.activation_bytes(MIXED, w, cand) == pytest.approx(_brute_activation_bytes(MIXED, w, cand), rel=1e-12)
+
+
+def test_parameter_sums_count_each_kind_as_layer_by_layer():
+    from rltune.plan.catalogue import layer_params, lora_params
+
+    layers = [layer_params(MIXED, i) for i in range(MIXED.layers)]
+    assert layers[:3] == [layers[0]] * 3 and layers[3:] == [layers[3]] * 4 and layers[0] != layers[3]
+    assert param_count(MIXED) == 160 + sum(layers) + 8
+    # LoRA r=2: attention (8+8) + 2 (8+4) + (8+8) = 56 per layer x 2; MLP 3 x 2 (8 + width)
+    assert lora_params(MIXED, 2) == 7 * 2 * 56 + 3 * 6 * (8 + 16) + 4 * 6 * (8 + 6)
+    whole = m.param_split(MIXED, LearnerLayout())
+    routed = m.expert_params(MIXED)
+    assert whole == (param_count(MIXED) - routed, routed)
+
+
+def test_a_plan_does_the_same_work_at_40_layers_as_at_40000(monkeypatch):
+    """Each layer kind is counted once, so a candidate costs the same at any depth (a
+    config.json with a mistaken layer count is answered in seconds, not hours)."""
+    from rltune.plan import catalogue
+
+    calls = []
+    inner = catalogue._attention_weights
+    monkeypatch.setattr(catalogue, "_attention_weights", lambda spec: calls.append(1) or inner(spec))
+    counts = []
+    for layers in (40, 40_000):  # the same kinds of block in each stage
+        spec = dataclasses.replace(MIXED, layers=layers)
+        calls.clear()
+        m.learner_memory(spec, work(lora_rank=None), Candidate(LearnerLayout(pp=2), micro_batch_tokens=64,
+                                                               activation_checkpointing="selective"), GPU)
+        counts.append(len(calls))
+    assert counts[0] == counts[1] > 0
