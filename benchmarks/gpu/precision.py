@@ -1,8 +1,9 @@
 """The learner's precisions on one GPU: step time, peak memory and the engine-learner
 log-prob mismatch of a 1B-class Qwen2. Run by ``benchmarks/gpu/precision.sh`` (never CI).
 
-For each of ``--precisions`` (default bf16, fp16, fp8), each in its own ``try`` so that
-one failing (fp8 without torchao, an old GPU) does not stop the others:
+For each of ``--precisions`` (default bf16, fp16, fp8; ``NAME+compile``: the same with
+``train.compile: true``, whose first warm-up step compiles), each in its own ``try`` so
+that one failing (fp8 without torchao, an old GPU) does not stop the others:
 
 * **step**: a GRPO learner step (``LocalLearner``, master weights fp32, AdamW) on
   ``--rows`` x ``--seq`` synthetic tokens, one micro-batch; the median of ``--steps``
@@ -67,7 +68,7 @@ def build_model(size: str, device: torch.device):
     return model
 
 
-def make_learner(model, precision: str):
+def make_learner(model, precision: str, compile: bool = False):
     from rltune.algos import ALGORITHMS
     from rltune.config.schema import AlgoConfig
     from rltune.config.train import TrainConfig
@@ -75,7 +76,7 @@ def make_learner(model, precision: str):
     from rltune.learner.objectives import build_objective
 
     objective = build_objective(ALGORITHMS["grpo"], AlgoConfig(name="grpo"))
-    cfg = TrainConfig(lr=1e-6, precision=precision, micro_batch_tokens=1 << 20, grad_clip=1.0)
+    cfg = TrainConfig(lr=1e-6, precision=precision, micro_batch_tokens=1 << 20, grad_clip=1.0, compile=compile)
     return LocalLearner(model, objective, cfg)
 
 
@@ -152,11 +153,14 @@ def _on(batch, device: torch.device):
     return to_device(batch, device)
 
 
-def run_one(precision: str, args, device: torch.device) -> dict:
+def run_one(name: str, args, device: torch.device) -> dict:
+    precision, _, option = name.partition("+")
+    if option not in ("", "compile"):
+        raise ValueError(f"{name!r}: a precision, or one followed by +compile")
     model = build_model(args.size, device)
     exact_model = copy.deepcopy(model) if precision == "fp8" else model
-    learner = make_learner(model, precision)
-    row = {"precision": precision}
+    learner = make_learner(model, precision, compile=option == "compile")
+    row = {"precision": name}
     row.update(measure_mismatch(learner, model, exact_model, precision, args, device))
     del exact_model  # not in the step's peak memory
     batch = _on(step_batch(model.config.vocab_size, args.rows, args.seq, prompt=args.seq // 8), device)
@@ -201,14 +205,14 @@ def main() -> int:
 def print_table(rows: list[dict], args) -> None:
     print(f"\n{args.size} Qwen2, GRPO step on {args.rows} x {args.seq} tokens; mismatch on "
           f"{args.gen_rows} x {args.gen_tokens} sampled tokens")
-    print(f"{'precision':9s} {'step s':>8s} {'peak GiB':>9s} {'mismatch':>10s} {'engine-fp32':>12s} "
+    print(f"{'precision':12s} {'step s':>8s} {'peak GiB':>9s} {'mismatch':>10s} {'engine-fp32':>12s} "
           f"{'learner-fp32':>13s} {'loss scale':>11s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['precision']:9s} error: {r['error']}")
+            print(f"{r['precision']:12s} error: {r['error']}")
             continue
         scale = "-" if r["loss_scale"] is None else f"{r['loss_scale']:.0f}"
-        print(f"{r['precision']:9s} {r['step_s']:8.3f} {r['peak_gib']:9.2f} {r['mismatch']:10.2e} "
+        print(f"{r['precision']:12s} {r['step_s']:8.3f} {r['peak_gib']:9.2f} {r['mismatch']:10.2e} "
               f"{r['engine_vs_fp32']:12.2e} {r['learner_vs_fp32']:13.2e} {scale:>11s}")
 
 
