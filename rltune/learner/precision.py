@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import types
 from typing import Any
 
 import torch
@@ -241,37 +242,44 @@ def convert_fp8(model: torch.nn.Module) -> torch.nn.Module:
         return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
     convert_to_float8_training(model, module_filter_fn=keep)
+    return plain_when_sampling(model)
+
+
+def plain_when_sampling(model: torch.nn.Module) -> torch.nn.Module:
+    """Give each of ``model``'s torchao ``Float8Linear`` layers :func:`_float8_or_plain` as
+    its forward, bound to the layer (a deep copy, such as an asynchronous producer's,
+    binds to the copy's own weights); in place."""
     for module in model.modules():
         if type(module).__name__ == "Float8Linear":
-            module.forward = _float8_or_plain(module, module.forward)
+            module.forward = types.MethodType(_float8_or_plain, module)
     return model
 
 
-def _float8_or_plain(module: torch.nn.Module, forward: Any) -> Any:
+def _float8_or_plain(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A float8 linear's forward for the learner, and a plain product for the sampler.
 
     Under ``torch.inference_mode`` (the HF generator's decode, and nothing the learner
     runs: its no-grad log-probs use ``no_grad``) the layer is an ``F.linear`` in the
     generator's own precision (autocast's dtype, else the weights'), so an fp8 run samples
-    in bf16 as :func:`generator_precision` says. Otherwise the float8 forward runs with
-    autocast off, its input cast to the autocast dtype first: autocast would otherwise try
-    to cast torchao's float8 tensors inside the matmul, which they do not support; the
-    float8 cast and scaling are the module's own."""
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if torch.is_inference_mode_enabled():
-            return torch.nn.functional.linear(x, module.weight, module.bias)
-        kind = x.device.type
-        if not torch.is_autocast_enabled(kind):
-            return forward(x)
-        x = x.to(torch.get_autocast_dtype(kind))
-        with torch.autocast(device_type=kind, enabled=False):
-            return forward(x)
-
-    return run
+    in bf16 as :func:`generator_precision` says. Otherwise the class's float8 forward runs
+    with autocast off, its input cast to the autocast dtype first: autocast would otherwise
+    try to cast torchao's float8 tensors inside the matmul, which they do not support; the
+    float8 cast and scaling are the module's own. Grad mode is asked first: it is on in
+    every compiled (``train.compile``) forward, and dynamo cannot trace the inference-mode
+    query, which would break the block's graph at each linear."""
+    if not torch.is_grad_enabled() and torch.is_inference_mode_enabled():
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    forward = type(self).forward
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return forward(self, x)
+    x = x.to(torch.get_autocast_dtype(kind))
+    with torch.autocast(device_type=kind, enabled=False):
+        return forward(self, x)
 
 
 __all__ = [
     "AUTOCAST_DTYPES", "DTYPE_NAMES", "Precision", "PrecisionError", "autocast_for", "check_precision",
-    "convert_fp8", "fp8_problems", "generator_precision", "learner_precision", "precision_problems", "vllm_dtype",
+    "convert_fp8", "fp8_problems", "generator_precision", "learner_precision", "plain_when_sampling",
+    "precision_problems", "vllm_dtype",
 ]

@@ -5,6 +5,7 @@ refused cleanly where it cannot run."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -19,12 +20,12 @@ from rltune.data.records import Prompt, SamplingParams
 from rltune.learner.learner import LocalLearner
 from rltune.learner.precision import (
     Precision,
-    _float8_or_plain,
     PrecisionError,
     check_precision,
     fp8_problems,
     generator_precision,
     learner_precision,
+    plain_when_sampling,
     precision_problems,
     vllm_dtype,
 )
@@ -222,54 +223,79 @@ def test_fp8_on_ray_is_judged_by_the_learners_gpus_not_this_machines():
         check_precision(load_config(None, ray))
 
 
-class _Float8Like(torch.nn.Linear):
-    """A class of its own, as torchao's ``Float8Linear`` is: the generator's lean decode
-    takes plain ``nn.Linear`` only, so the model's own forward runs, as with fp8."""
+class Float8Linear(torch.nn.Linear):
+    """Stands in for torchao's class (which needs a CUDA GPU): found by its name, a class of
+    its own (the generator's lean decode takes plain ``nn.Linear`` only, so the model's own
+    forward runs, as with fp8), and its forward, the float8 product, records each call."""
+
+    calls: list[tuple[torch.dtype, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Float8Linear.calls.append((x.dtype, torch.is_autocast_enabled(x.device.type)))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+def _float8_like(model: torch.nn.Module, *, wrapped: bool) -> torch.nn.Module:
+    """``model`` with its block linears made :class:`Float8Linear`, wrapped as
+    ``convert_fp8`` wraps torchao's (``wrapped``) or not."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.__class__ = Float8Linear
+    return plain_when_sampling(model) if wrapped else model
 
 
 def test_fp8_linears_are_plain_products_in_the_decode_and_float8_in_the_learner(tiny_model, tiny_path):
-    """``convert_fp8`` gives each float8 linear :func:`_float8_or_plain`'s forward (torchao
-    needs a CUDA GPU, so a stand-in for its float8 forward records each call here). The HF
-    generator's decode (``torch.inference_mode``) never reaches the float8 forward: it
-    samples with plain products in its own precision, the same draws and log-probs to the
-    bit as the unconverted model under the same bf16 autocast. The learner's no-grad
-    log-probs and its training forward do reach it, with autocast off inside and the input
-    in the autocast dtype."""
+    """The HF generator's decode (``torch.inference_mode``) never reaches the float8
+    forward: it samples with plain products in its own precision, the same draws and
+    log-probs to the bit as the same layers unwrapped under the same bf16 autocast. The
+    learner's no-grad log-probs and its training forward do reach it, with autocast off
+    inside and the input in the autocast dtype."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     prompts = [Prompt(id=str(i), text="", input_ids=tokenizer.encode(f"{i} + {i} =")) for i in range(3)]
     params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
-    calls: list[tuple[torch.dtype, bool]] = []
-
-    def float8_forward(module):
-        def forward(x):
-            calls.append((x.dtype, torch.is_autocast_enabled("cpu")))
-            return torch.nn.functional.linear(x, module.weight.to(x.dtype), module.bias.to(x.dtype)
-                                              if module.bias is not None else None)
-        return forward
-
-    plain, converted = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
-    for model in (plain, converted):  # both off the lean decode, so the two run the same code
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-                module.__class__ = _Float8Like
-                if model is converted:
-                    module.forward = _float8_or_plain(module, float8_forward(module))
-    out = {}
-    for key, model in (("plain", plain), ("converted", converted)):
-        generator = HFGenerator(model, tokenizer, rng=torch.Generator().manual_seed(0), precision="bf16")
-        out[key] = generator.generate(prompts, params)
-    assert calls == []  # the decode never ran the float8 forward
-    for a, b in zip(out["plain"], out["converted"], strict=True):
+    plain = _float8_like(copy.deepcopy(tiny_model), wrapped=False)
+    converted = _float8_like(copy.deepcopy(tiny_model), wrapped=True)
+    generated = HFGenerator(plain, tokenizer, rng=torch.Generator().manual_seed(0),
+                            precision="bf16").generate(prompts, params)
+    Float8Linear.calls.clear()
+    out = HFGenerator(converted, tokenizer, rng=torch.Generator().manual_seed(0), precision="bf16").generate(prompts, params)
+    assert Float8Linear.calls == []  # the decode never ran the float8 forward
+    for a, b in zip(generated, out, strict=True):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.completion_logprobs, b.completion_logprobs)
 
     learner = make_learner(converted, "grpo", "token-mean", precision="bf16")
-    batch = collate_rollouts(out["converted"], pad_id=tokenizer.pad_token_id)
+    batch = collate_rollouts(out, pad_id=tokenizer.pad_token_id)
     learner.logprobs(batch)
-    assert calls and set(calls) == {(torch.bfloat16, False)}  # float8, in the autocast dtype, autocast off
-    calls.clear()
+    assert Float8Linear.calls and set(Float8Linear.calls) == {(torch.bfloat16, False)}  # autocast off inside
+    Float8Linear.calls.clear()
     batch.advantages = torch.ones_like(batch.loss_mask)
     learner.step(batch)
-    assert calls and set(calls) == {(torch.bfloat16, False)}
+    assert Float8Linear.calls and set(Float8Linear.calls) == {(torch.bfloat16, False)}
+
+
+def test_a_copy_of_an_fp8_model_computes_with_its_own_weights():
+    """An asynchronous producer samples with a deep copy of the policy: each wrapped layer
+    of the copy is bound to the copy, not to the learner's layer it was copied from."""
+    layer = plain_when_sampling(torch.nn.Sequential(Float8Linear(4, 4)))
+    copied = copy.deepcopy(layer)
+    with torch.no_grad():
+        copied[0].weight.zero_()
+        copied[0].bias.zero_()
+    x = torch.ones(2, 4)
+    for mode in (torch.inference_mode, torch.no_grad, contextlib.nullcontext):
+        with mode():
+            assert torch.equal(copied(x), torch.zeros(2, 4)) and not torch.equal(layer(x), torch.zeros(2, 4))
+
+
+def test_a_compiled_block_with_fp8_linears_is_one_graph():
+    """``train.compile`` compiles blocks whose linears are float8: the wrapper's checks
+    trace without a graph break under grad and bf16 autocast (dynamo cannot trace the
+    inference-mode query, which the wrapper asks only with grad off)."""
+    block = plain_when_sampling(torch.nn.Sequential(Float8Linear(8, 8), torch.nn.SiLU(), Float8Linear(8, 8)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(block)(torch.randn(2, 8, requires_grad=True))
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
