@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "nvidia-smi: not on this machine"
+nvidia-smi -L || echo "nvidia-smi: not found, or it failed (no driver?)"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count())"

@@ -260,7 +260,7 @@ def ep_comm(spec: ModelSpec, work: Workload, cand: Candidate, cluster: Cluster, 
         return 0.0
     bw = link_bandwidth(cluster, lay.ep, lay.tp, eff)
     nbytes = micro_batch_tokens(work, cand) * spec.experts_per_token * spec.hidden * _act_bytes(work.precision)
-    moe_layers = (spec.layers - spec.dense_layers) / lay.pp
+    moe_layers = catalogue.sparse_in(spec, 0, spec.layers) / lay.pp
     calls = 2 * activation_passes(work, cand) * moe_layers * micro_batches(work, cand) * work.minibatches
     return calls * all_to_all_s(nbytes, lay.ep, bw, eff.comm_latency_s)
 

@@ -338,9 +338,9 @@ def test_checkpointed_count_is_what_the_learner_checkpoints(mode):
 @pytest.mark.parametrize("pp", [1, 2, 3])
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
 def test_activation_bytes_counts_each_kind_as_block_by_block(pp, mode):
-    """The dense and the MoE blocks of a stage (3 + 4 here, split over pp stages so that
-    a stage starts inside either kind) give the same bytes as adding them one by one; only
-    the summation order differs (a few ulps)."""
+    """The dense and the MoE blocks of the first stage (of 3 dense + 4 MoE layers over pp
+    stages: both kinds at pp 1 and 2, dense only at pp 3) give the same bytes as adding
+    them one by one; only the summation order differs (a few ulps)."""
     w = work(precision="bf16")
     cand = Candidate(LearnerLayout(pp=pp, tp=2, ep=2, dp_shard=2), micro_batch_tokens=128, activation_checkpointing=mode)
     assert m.activation_bytes(MIXED, w, cand) == pytest.approx(_brute_activation_bytes(MIXED, w, cand), rel=1e-12)
@@ -357,6 +357,12 @@ def test_parameter_sums_count_each_kind_as_layer_by_layer():
     whole = m.param_split(MIXED, LearnerLayout())
     routed = m.expert_params(MIXED)
     assert whole == (param_count(MIXED) - routed, routed)
+    # pp 2: stages 0-3 (3 dense, 1 MoE) and 4-6 (3 MoE); the first holds the embedding,
+    # the last the head and final norm (untied); the larger one is reported
+    per_moe = routed / 4
+    first = sum(layers[:4]) - per_moe + 80, per_moe
+    last = sum(layers[4:]) - 3 * per_moe + 80 + 8, 3 * per_moe
+    assert m.param_split(MIXED, LearnerLayout(pp=2)) == max(first, last, key=sum)
 
 
 def test_a_plan_does_the_same_work_at_40_layers_as_at_40000(monkeypatch):
