@@ -33,6 +33,7 @@ from rltune.learner.objectives import Objective, build_objective, logprobs_only,
 from rltune.learner.parallel import NoParallelism
 from rltune.learner.preference import preference_method
 from rltune.learner.precision import generator_precision, vllm_dtype
+from rltune.models.autocast import autocast_for
 from rltune.models.chunked import set_logprob_chunk_tokens
 from rltune.models.load import (
     TOKENIZER_FILES, ModelLoadError, is_moe, load_model, load_tokenizer, resolve_model, router_aux_loss_coef,
@@ -181,14 +182,22 @@ def load_reference_model(cfg: Config, model_dir: str, device: torch.device | Non
 
 def model_logprobs(model: torch.nn.Module, batch: TrainBatch, options: dict) -> torch.Tensor:
     """``[B, C]`` log-probs of ``batch`` under ``model`` (no grad), computed on the model's
-    device and returned on the CPU, where the run's batches are."""
+    device under the autocast of ``options["precision"]`` (:func:`reference_options`) and
+    returned on the CPU, where the run's batches are."""
     device = next(model.parameters()).device
-    return predict(model, logprobs_only, to_device(batch, device), **options).cpu()
+    kwargs = {key: value for key, value in options.items() if key != "precision"}
+    autocast = partial(autocast_for, options.get("precision", "fp32"), device.type)
+    return predict(model, logprobs_only, to_device(batch, device), autocast=autocast, **kwargs).cpu()
 
 
 def reference_options(cfg: Config) -> dict:
-    """Keyword arguments of :func:`rltune.learner.learner.predict` for reference log-probs."""
-    return dict(field="logprobs", budget=cfg.train.micro_batch_tokens, temperature=cfg.rollout.temperature)
+    """Keyword arguments of :func:`rltune.learner.learner.predict` for reference log-probs,
+    and ``train.precision``: the reference computes under the learner's autocast, as the
+    policy's log-probs are, so that the KL measures how far the policy has moved, not the
+    two precisions' rounding (before the first update it is 0; a float32 reference sat
+    ~1e-2 a token from a 1B-class bf16 policy on a GPU, ``docs/performance.md``)."""
+    return dict(field="logprobs", budget=cfg.train.micro_batch_tokens, temperature=cfg.rollout.temperature,
+                precision=cfg.train.precision)
 
 
 def critic_learner(cfg: Config, model_dir: str, device: torch.device | None = None) -> LocalLearner:

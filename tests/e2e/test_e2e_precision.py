@@ -22,6 +22,7 @@ import rltune.learner.precision as precision_module
 import rltune.runtime.roles
 from rltune.checkpoint.store import META_FILE as STATE_FILE
 from rltune.cli import main
+from rltune.runtime.clock import StepClock
 from rltune.runtime.local import build_run
 from rltune.runtime.loop import train
 
@@ -123,6 +124,22 @@ def test_resume_without_the_scaler_state_differs(resumed, tmp_path, tiny_grpo_co
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_reference_computes_under_the_learners_precision(tiny_grpo_config, precision):
+    """Before the first update the reference is the policy, and it computes under the
+    learner's autocast, so the KL term starts at 0, not at the rounding between a bf16
+    policy and a float32 reference. Bound: 1e-5, the float32 summation-order gap between
+    the learner's forward and the reference's (log-probs of order 5, relative error ~1e-7
+    per sum over a few hundred terms); bf16 rounds each product to 2^-8 relative, which
+    put a float32 reference ~1e-3 away from the bf16 policy here."""
+    cfg = tiny_grpo_config("algo.kl_coef=0.05", "algo.group_size=2", "train.prompts_per_step=2",
+                           "rollout.max_new_tokens=4", "train.steps=1", "train.threads=1",
+                           f"train.precision={precision}")
+    run = build_run(cfg)
+    batch = run.source.next(StepClock()).batch  # generated, scored, with its reference log-probs
+    assert (run.learner.logprobs(batch) - batch.ref_logprobs).abs().max() <= 1e-5
+
+
 def test_cli_refuses_fp8_before_loading_the_model(tmp_path, digit_reward_file, capsys, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the precision was refused")
